@@ -1,0 +1,423 @@
+"""What every script shares: presets, env makers, networks, the n-step experience source,
+the replay buffer, batch unpacking, reward tracking and the command line."""
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import queue
+import sys
+import time
+
+import ale_py
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils.tensorboard import SummaryWriter
+
+gym.register_envs(ale_py)
+
+
+# ---------------------------------------------------------------- presets
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    env_id: str
+    stop_reward: float            # solved when the mean of the last 100 episodes reaches this
+    gamma: float = 0.99
+    # DQN
+    learning_rate: float = 1e-4
+    batch_size: int = 32
+    replay_size: int = 100_000
+    replay_start: int = 10_000    # frames played before the first training step
+    target_sync: int = 1_000      # training steps between target network syncs
+    epsilon_start: float = 1.0
+    epsilon_final: float = 0.02
+    epsilon_frames: int = 100_000
+
+    def epsilon(self, frames):
+        """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames."""
+        fraction = min(frames / self.epsilon_frames, 1.0)
+        return self.epsilon_start + fraction * (self.epsilon_final - self.epsilon_start)
+
+
+PRESETS = {
+    "pong": Preset(env_id="PongNoFrameskip-v4", stop_reward=18.0),
+    "cartpole": Preset(env_id="CartPole-v1", stop_reward=195.0, learning_rate=1e-3,
+                       replay_size=10_000, replay_start=1_000, target_sync=200,
+                       epsilon_frames=5_000),
+}
+
+
+# ---------------------------------------------------------------- environments
+class FireOnReset(gym.Wrapper):
+    """Press FIRE for one emulator frame after reset, as ale-py's vector env does."""
+
+    def reset(self, **kwargs):
+        self.env.reset(**kwargs)
+        obs, _, terminated, truncated, info = self.env.step(1)
+        if terminated or truncated:
+            obs, info = self.env.reset(**kwargs)
+        return obs, info
+
+
+def atari_game(env_id):
+    """The ALE game name of an Atari env id ("pong"), or None for other envs."""
+    return gym.spec(env_id).kwargs.get("game")
+
+
+def make_classic_env(params, n_envs=1, noop_max=30):
+    """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
+    def make_one():
+        env = gym.make(params.env_id)
+        if atari_game(params.env_id):
+            if "FIRE" in env.unwrapped.get_action_meanings():
+                env = FireOnReset(env)
+            env = gym.wrappers.AtariPreprocessing(env, noop_max=noop_max, frame_skip=4)
+            env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
+        return env
+    return gym.vector.SyncVectorEnv([make_one] * n_envs)
+
+
+def make_fast_env(params, n_envs=1, threads=0, noop_max=30):
+    """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else SyncVectorEnv."""
+    game = atari_game(params.env_id)
+    if game is None:
+        return make_classic_env(params, n_envs)
+    return ale_py.vector_env.AtariVectorEnv(
+        game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=4, stack_num=4,
+        repeat_action_probability=0.0, reward_clipping=False)
+
+
+# ---------------------------------------------------------------- networks
+def make_body(obs_shape):
+    """Feature extractor picked from the observation shape: Nature DQN convs for frames, else an MLP."""
+    if len(obs_shape) == 3:
+        body = nn.Sequential(
+            nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
+            nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
+            nn.Flatten())
+        hidden = 512
+    else:
+        body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
+        hidden = 128
+    features = body(torch.zeros(1, *obs_shape)).shape[1]
+    return body, features, hidden
+
+
+def make_head(features, hidden, outputs):
+    """One fully connected hidden layer, then the outputs."""
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
+
+
+def as_float(x):
+    """Frames stay uint8 until here; the network scales them to [0, 1]."""
+    return x.float() / 255 if x.dtype == torch.uint8 else x
+
+
+class DQN(nn.Module):
+    """Q-values of every action."""
+
+    def __init__(self, obs_shape, n_actions):
+        super().__init__()
+        self.body, features, hidden = make_body(obs_shape)
+        self.head = make_head(features, hidden, n_actions)
+
+    def forward(self, x):
+        return self.head(self.body(as_float(x)))
+
+
+class A2C(nn.Module):
+    """Policy logits and state value from one shared body."""
+
+    def __init__(self, obs_shape, n_actions):
+        super().__init__()
+        self.body, features, hidden = make_body(obs_shape)
+        self.policy = make_head(features, hidden, n_actions)
+        self.value = make_head(features, hidden, 1)
+
+    def forward(self, x):
+        features = self.body(as_float(x))
+        return self.policy(features), self.value(features).squeeze(-1)
+
+
+# ---------------------------------------------------------------- experience
+# reward: discounted sum of up to n rewards; last_state: state after them, None if the episode
+# terminated; steps: how many rewards were summed (fewer than n at an episode's end)
+ExperienceFirstLast = collections.namedtuple(
+    "ExperienceFirstLast", ["state", "action", "reward", "last_state", "steps"])
+
+
+class ExperienceSourceFirstLast:
+    """Steps a vector env with a batched agent; each iteration is one step of all envs and
+    yields the n-step experiences it completed."""
+
+    def __init__(self, env, agent, gamma, steps_count=1, seed=None):
+        self.env, self.agent = env, agent
+        self.gamma, self.steps_count, self.seed = gamma, steps_count, seed
+        self.frames = 0                  # agent steps taken, all envs together
+        self.finished = []               # (reward, steps) of episodes ended since pop_episodes()
+
+    def __iter__(self):
+        n = self.env.num_envs
+        obs, _ = self.env.reset(seed=self.seed)
+        history = [collections.deque() for _ in range(n)]   # (state, action, reward) per env
+        ep_reward, ep_steps = np.zeros(n), np.zeros(n, dtype=np.int64)
+        needs_reset = np.zeros(n, dtype=bool)
+        while True:
+            actions = self.agent(obs)
+            next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
+            exps = []
+            for i in range(n):
+                if needs_reset[i]:       # next-step autoreset: this step only reset env i
+                    needs_reset[i] = False
+                    continue
+                self.frames += 1
+                ep_reward[i] += rewards[i]
+                ep_steps[i] += 1
+                history[i].append((obs[i], actions[i], rewards[i]))
+                if terminated[i] or truncated[i]:
+                    # bootstrap from the real last observation on truncation, never on termination
+                    last = None if terminated[i] else next_obs[i]
+                    while history[i]:
+                        exps.append(self._first_last(history[i], last))
+                        history[i].popleft()
+                    self.finished.append((ep_reward[i], int(ep_steps[i])))
+                    ep_reward[i], ep_steps[i] = 0, 0
+                    needs_reset[i] = True
+                elif len(history[i]) == self.steps_count:
+                    exps.append(self._first_last(history[i], next_obs[i]))
+                    history[i].popleft()
+            obs = next_obs
+            yield exps
+
+    def _first_last(self, history, last_state):
+        """Experience from the first state in history to last_state."""
+        reward = 0.0
+        for _, _, r in reversed(history):
+            reward = r + self.gamma * reward
+        state, action, _ = history[0]
+        return ExperienceFirstLast(state, action, reward, last_state, len(history))
+
+    def pop_episodes(self):
+        """(reward, steps) of every episode finished since the last call."""
+        finished, self.finished = self.finished, []
+        return finished
+
+
+class ReplayBuffer:
+    """Ring buffer of one-step transitions in preallocated numpy arrays, sampled uniformly."""
+
+    def __init__(self, capacity, obs_space, seed=None):
+        self.capacity, self.size, self.pos = capacity, 0, 0
+        shape, dtype = obs_space.shape, obs_space.dtype
+        # a stack of frames shares all but its newest frame with the next state: keep only that one
+        self.stacked = len(shape) == 3
+        self.states = np.zeros((capacity, *shape), dtype=dtype)
+        last_shape = shape[1:] if self.stacked else shape
+        self.last_states = np.zeros((capacity, *last_shape), dtype=dtype)
+        self.actions = np.zeros(capacity, dtype=np.int64)
+        self.rewards = np.zeros(capacity, dtype=np.float32)
+        self.dones = np.zeros(capacity, dtype=bool)
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self):
+        return self.size
+
+    def append(self, exp):
+        """Store one experience, overwriting the oldest when full."""
+        i = self.pos
+        self.states[i], self.actions[i], self.rewards[i] = exp.state, exp.action, exp.reward
+        self.dones[i] = exp.last_state is None
+        if exp.last_state is None:
+            self.last_states[i] = 0
+        else:
+            self.last_states[i] = exp.last_state[-1] if self.stacked else exp.last_state
+        self.pos = (i + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+
+    def sample(self, batch_size):
+        """Arrays (states, actions, rewards, dones, last_states) of batch_size random transitions."""
+        idx = self.rng.integers(0, self.size, batch_size)
+        states = self.states[idx]
+        last_states = self.last_states[idx]
+        if self.stacked:
+            last_states = np.concatenate([states[:, 1:], last_states[:, None]], axis=1)
+        return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
+
+
+def unpack_batch_dqn(batch, device):
+    """Tensors on device from the arrays of ReplayBuffer.sample."""
+    states, actions, rewards, dones, last_states = batch
+    return (torch.as_tensor(states, device=device), torch.as_tensor(actions, device=device),
+            torch.as_tensor(rewards, device=device), torch.as_tensor(dones, device=device),
+            torch.as_tensor(last_states, device=device))
+
+
+def unpack_batch_a2c(exps, net, device, gamma):
+    """States, actions and n-step reference values; those not terminated are bootstrapped
+    with gamma ** steps times the value of their last state."""
+    states = torch.as_tensor(np.stack([e.state for e in exps]), device=device)
+    actions = torch.as_tensor(np.array([e.action for e in exps]), device=device)
+    ref_vals = np.array([e.reward for e in exps], dtype=np.float32)
+    alive = [i for i, e in enumerate(exps) if e.last_state is not None]
+    if alive:
+        last_states = torch.as_tensor(np.stack([exps[i].last_state for i in alive]), device=device)
+        with torch.no_grad():
+            last_vals = net(last_states)[1].cpu().numpy()
+        steps = np.array([exps[i].steps for i in alive])
+        ref_vals[alive] += gamma ** steps * last_vals
+    return states, actions, torch.as_tensor(ref_vals, device=device)
+
+
+# ---------------------------------------------------------------- tracking and logging
+class RewardTracker:
+    """Owns the TensorBoard writer: records episodes and training scalars against frames, prints
+    progress, decides when to stop, keeps the best model and prints the final JSON summary."""
+
+    def __init__(self, args, params, net):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = os.path.join("runs", "-".join(filter(None, [args.script, args.env, args.name, stamp])))
+        self.writer = SummaryWriter(self.log_dir)
+        self.args, self.params, self.net = args, params, net
+        self.rewards = collections.deque(maxlen=100)
+        self.losses = collections.deque(maxlen=100)
+        self.frames = self.episodes = 0
+        self.best_mean = self.train_start = None
+        self.solved, self.exit_code = False, 0
+        self.start = time.perf_counter()
+        self.last_print = (0, self.start)
+
+    def update(self, frames, episodes):
+        """Record the frame count and finished (reward, steps) episodes; True when it is time to stop."""
+        self.frames = frames
+        for reward, steps in episodes:
+            self.episode(reward, steps)
+        return self.solved or (self.args.max_frames is not None and frames >= self.args.max_frames)
+
+    def episode(self, reward, steps):
+        """Log one finished episode, print progress now and then, save the model on a new best mean."""
+        self.episodes += 1
+        self.rewards.append(reward)
+        mean = float(np.mean(self.rewards))
+        self.writer.add_scalar("episodes/reward", reward, self.frames)
+        self.writer.add_scalar("episodes/avg_reward", mean, self.frames)
+        self.writer.add_scalar("episodes/steps", steps, self.frames)
+        if self.best_mean is None or mean > self.best_mean:
+            self.best_mean = mean
+            torch.save(self.net.state_dict(), os.path.join(self.log_dir, "best.pt"))
+        self.solved = len(self.rewards) == self.rewards.maxlen and mean >= self.params.stop_reward
+        now = time.perf_counter()
+        if now - self.last_print[1] >= 1.0 or self.solved:
+            fps = (self.frames - self.last_print[0]) / (now - self.last_print[1])
+            self.writer.add_scalar("train/avg_fps", fps, self.frames)
+            print(f"{self.frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s",
+                  flush=True)
+            self.last_print = (self.frames, now)
+
+    def train(self, **scalars):
+        """Log training scalars as train/<name>; a loss also feeds train/avg_loss."""
+        if self.train_start is None:
+            self.train_start = (self.frames, time.perf_counter())
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"train/{name}", value, self.frames)
+        if "loss" in scalars:
+            self.losses.append(scalars["loss"])
+            self.writer.add_scalar("train/avg_loss", np.mean(self.losses), self.frames)
+
+    def summary(self):
+        """The run in numbers, for the last line of output."""
+        seconds = time.perf_counter() - self.start
+        train_frames, train_seconds = 0, 0.0
+        if self.train_start is not None:
+            train_frames = self.frames - self.train_start[0]
+            train_seconds = time.perf_counter() - self.train_start[1]
+        return {"script": self.args.script, "env": self.args.env, "frames": self.frames,
+                "train_frames": train_frames, "episodes": self.episodes,
+                "seconds": round(seconds, 1), "fps": round(self.frames / seconds, 1),
+                "train_fps": round(train_frames / train_seconds, 1) if train_seconds else 0.0,
+                "mean_reward": float(np.mean(self.rewards)) if self.rewards else None,
+                "solved": self.solved}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Every stop ends here: Ctrl-C and a dead child process end with a summary, not a traceback."""
+        if exc_type is KeyboardInterrupt:
+            self.exit_code = 130
+        elif exc_type is ChildProcessError:
+            print(f"{self.args.script}: error: {exc}", file=sys.stderr, flush=True)
+            self.exit_code = 1
+        elif exc_type is not None:
+            return False
+        if self.best_mean is None:
+            torch.save(self.net.state_dict(), os.path.join(self.log_dir, "best.pt"))
+        self.writer.close()
+        print(json.dumps(self.summary()), flush=True)
+        return True
+
+
+# ---------------------------------------------------------------- command line
+class ArgumentParser(argparse.ArgumentParser):
+    """Bad input ends with one line and exit code 2, not a usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def argument_parser(description):
+    """The options every script takes; scripts add their own."""
+    parser = ArgumentParser(description=description)
+    parser.add_argument("--env", choices=sorted(PRESETS), default="pong", help="preset (default: pong)")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("-n", "--name", default="", help="suffix of the run name in runs/")
+    parser.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
+    return parser
+
+
+def setup(parser):
+    """Parse and check the command line, seed the generators; returns args, preset and device."""
+    args = parser.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        parser.error("--cuda given, but no CUDA device is available")
+    args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    return args, PRESETS[args.env], torch.device("cuda" if args.cuda else "cpu")
+
+
+# ---------------------------------------------------------------- child processes
+def get_from(data_queue, processes):
+    """Next item of the queue; raises ChildProcessError if a child died, instead of waiting forever."""
+    while True:
+        try:
+            return data_queue.get(timeout=1.0)
+        except queue.Empty:
+            for proc in processes:
+                if not proc.is_alive():
+                    raise ChildProcessError(f"{proc.name} exited with code {proc.exitcode}")
+
+
+def stop_processes(processes):
+    """Terminate the children and wait for them, so that none is left behind."""
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

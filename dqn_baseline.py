@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""DQN on Pong with one env and a plain loop: the reference point for every speed-up."""
+import copy
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import common
+
+
+def select_actions(net, states, epsilon, device):
+    """Epsilon-greedy actions for a batch of states."""
+    q_vals = net(torch.as_tensor(states, device=device))
+    actions = q_vals.argmax(dim=1).cpu().numpy()
+    explore = np.random.random(len(actions)) < epsilon
+    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
+    return actions
+
+
+def calc_loss_dqn(batch, net, tgt_net, gamma, device):
+    """MSE between Q(s, a) and the one-step target r + gamma * max Q_target(s')."""
+    states, actions, rewards, dones, last_states = common.unpack_batch_dqn(batch, device)
+    q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+    next_q = tgt_net(last_states).max(dim=1)[0].detach()
+    next_q[dones] = 0.0
+    return F.mse_loss(q_vals, rewards + gamma * next_q)
+
+
+if __name__ == "__main__":
+    args, params, device = common.setup(common.argument_parser(__doc__))
+    env = common.make_classic_env(params)
+    net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    tgt_net = copy.deepcopy(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
+    epsilon = params.epsilon(0)
+    exp_source = common.ExperienceSourceFirstLast(
+        env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
+    train_steps = 0
+
+    with common.RewardTracker(args, params, net) as tracker:
+        for exps in exp_source:
+            for exp in exps:
+                buffer.append(exp)
+            epsilon = params.epsilon(exp_source.frames)
+            if tracker.update(exp_source.frames, exp_source.pop_episodes()):
+                break
+            if len(buffer) < params.replay_start:
+                continue
+            optimizer.zero_grad()
+            loss = calc_loss_dqn(buffer.sample(params.batch_size), net, tgt_net, params.gamma, device)
+            loss.backward()
+            optimizer.step()
+            train_steps += 1
+            if train_steps % params.target_sync == 0:
+                tgt_net.load_state_dict(net.state_dict())
+            tracker.train(loss=loss.item(), epsilon=epsilon)
+    sys.exit(tracker.exit_code)
