@@ -2,10 +2,13 @@
 the replay buffer, batch unpacking, reward tracking and the command line."""
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 
@@ -394,6 +397,7 @@ def setup(parser):
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops as cleanly as Ctrl-C
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -401,23 +405,40 @@ def setup(parser):
 
 
 # ---------------------------------------------------------------- child processes
-def get_from(data_queue, processes):
-    """Next item of the queue; raises ChildProcessError if a child died, instead of waiting forever."""
+def queue_put(data_queue, item):
+    """Put from a child process; waits while the queue is full, but exits once the parent is gone."""
     while True:
         try:
-            return data_queue.get(timeout=1.0)
+            return data_queue.put(item, timeout=1.0)
+        except queue.Full:
+            if not multiprocessing.parent_process().is_alive():
+                data_queue.cancel_join_thread()  # nobody will read what is still buffered
+                sys.exit(1)
+
+
+def queue_items(data_queue, processes):
+    """Items from the queue, forever; raises ChildProcessError if a child died, instead of waiting forever."""
+    while True:
+        try:
+            yield data_queue.get(timeout=1.0)
         except queue.Empty:
             for proc in processes:
                 if not proc.is_alive():
                     raise ChildProcessError(f"{proc.name} exited with code {proc.exitcode}")
 
 
-def stop_processes(processes):
-    """Terminate the children and wait for them, so that none is left behind."""
+@contextlib.contextmanager
+def child_processes(processes):
+    """Start the children; on leaving, for whatever reason, terminate them and wait, so none is left behind."""
     for proc in processes:
-        proc.terminate()
-    for proc in processes:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in processes:
+            proc.terminate()
+        for proc in processes:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

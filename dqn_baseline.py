@@ -29,7 +29,8 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 if __name__ == "__main__":
-    args, params, device = common.setup(common.argument_parser(__doc__))
+    parser = common.argument_parser(__doc__)
+    args, params, device = common.setup(parser)
     env = common.make_classic_env(params)
     net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
     tgt_net = copy.deepcopy(net)
@@ -50,7 +51,8 @@ if __name__ == "__main__":
             if len(buffer) < params.replay_start:
                 continue
             optimizer.zero_grad()
-            loss = calc_loss_dqn(buffer.sample(params.batch_size), net, tgt_net, params.gamma, device)
+            batch = buffer.sample(params.batch_size)
+            loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
             train_steps += 1

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""DQN on Pong, faster still: a child process plays, the main process trains, joined by a queue.
+
+What crosses the process boundary: the play network's weights, in shared CPU memory (on CPU it
+is the trained network itself; with --cuda a CPU copy refreshed after every training step), and
+numpy experience through the queue. Nothing on the GPU is shared."""
+import copy
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import common
+
+QUEUE_SIZE = 8  # vector steps that play may run ahead of training
+
+@torch.no_grad()  # acting needs no graph
+def select_actions(net, states, epsilon, device):
+    """Epsilon-greedy actions for a batch of states."""
+    q_vals = net(torch.as_tensor(states, device=device))
+    actions = q_vals.argmax(dim=1).cpu().numpy()
+    explore = np.random.random(len(actions)) < epsilon
+    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
+    return actions
+
+
+def calc_loss_dqn(batch, net, tgt_net, gamma, device):
+    """MSE between Q(s, a) and the one-step target r + gamma * max Q_target(s')."""
+    states, actions, rewards, dones, last_states = common.unpack_batch_dqn(batch, device)
+    q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():  # no graph for the target: it is a constant
+        next_q = tgt_net(last_states).max(dim=1)[0]
+    next_q[dones] = 0.0
+    return F.mse_loss(q_vals, rewards + gamma * next_q)
+
+
+def play_func(params, args, net, exp_queue):
+    """Child process: play the envs with the shared net and put every step's experience on the queue."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)                       # the cores belong to the learner and the envs
+    env = common.make_fast_env(params, args.envs)
+    epsilon = params.epsilon(0)
+    exp_source = common.ExperienceSourceFirstLast(
+        env, lambda states: select_actions(net, states, epsilon, "cpu"), params.gamma, seed=args.seed)
+    for exps in exp_source:
+        epsilon = params.epsilon(exp_source.frames)
+        # blocks while the queue is full, so play never runs further ahead than QUEUE_SIZE steps
+        common.queue_put(exp_queue, (exps, exp_source.frames, exp_source.pop_episodes()))
+
+
+if __name__ == "__main__":
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped together (default: 3)")
+    args, params, device = common.setup(parser)
+    env = common.make_fast_env(params, args.envs)  # here only for its spaces: the child plays its own
+    net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    tgt_net = copy.deepcopy(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
+    play_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
+    play_net.share_memory()
+    exp_queue = mp.get_context("spawn").Queue(maxsize=QUEUE_SIZE)
+    play_proc = mp.get_context("spawn").Process(
+        target=play_func, args=(params, args, play_net, exp_queue), name="play process")
+    train_steps = 0
+
+    with common.RewardTracker(args, params, net) as tracker, common.child_processes([play_proc]):
+        for exps, frames, episodes in common.queue_items(exp_queue, [play_proc]):
+            for exp in exps:
+                buffer.append(exp)
+            epsilon = params.epsilon(frames)
+            if tracker.update(frames, episodes):
+                break
+            if len(buffer) < params.replay_start:
+                continue
+            optimizer.zero_grad()
+            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
+            batch = buffer.sample(params.batch_size * args.envs)
+            loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
+            loss.backward()
+            optimizer.step()
+            train_steps += 1
+            if train_steps % params.target_sync == 0:
+                tgt_net.load_state_dict(net.state_dict())
+            if play_net is not net:  # the child plays on the CPU copy
+                play_net.load_state_dict(net.state_dict())
+            tracker.train(loss=loss.item(), epsilon=epsilon)
+    sys.exit(tracker.exit_code)

@@ -1,0 +1,424 @@
+"""Unit tests of common.py: inputs built by hand, expected values worked out by hand."""
+import json
+import os
+import pathlib
+import sys
+import types
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so plain `pytest` finds common
+import common  # noqa: E402
+
+GAMMA = 0.5
+
+
+# ---------------------------------------------------------------- a scripted env
+class ScriptedEnv(gym.Env):
+    """Observation: offset + steps taken this episode; reward of step t: 10 ** (t - 1)
+    (1, 10, 100, ...); the episode ends at step `length`, terminated or truncated.
+    With gamma 0.5 a window of rewards starting at 10 ** k sums to 10 ** k * (1 + 5 + 25 + ...),
+    exact in floating point."""
+
+    observation_space = gym.spaces.Box(0, 1000, (1,), np.float32)
+    action_space = gym.spaces.Discrete(1000)
+
+    def __init__(self, length, truncate=False, offset=0):
+        self.length, self.truncate, self.offset = length, truncate, offset
+        self.t = 0
+
+    def _obs(self):
+        return np.array([self.offset + self.t], dtype=np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        ended = self.t == self.length
+        return self._obs(), float(10 ** (self.t - 1)), ended and not self.truncate, ended and self.truncate, {}
+
+
+def scripted_vec_env(*envs):
+    """SyncVectorEnv (default next-step autoreset) over the given ScriptedEnv instances."""
+    return gym.vector.SyncVectorEnv([lambda env=env: env for env in envs])
+
+
+class CountingAgent:
+    """Call k gives env i the action 10 * k + i, so an experience tells which call chose its action."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, obs):
+        actions = 10 * self.calls + np.arange(len(obs))
+        self.calls += 1
+        return actions
+
+
+def as_tuple(exp):
+    """(state, action, reward, last_state, steps) as plain numbers; last_state None stays None."""
+    last = None if exp.last_state is None else float(exp.last_state[0])
+    return float(exp.state[0]), int(exp.action), float(exp.reward), last, exp.steps
+
+
+def play(source, iterations):
+    """Experiences of each of the first `iterations` steps, as tuples, and `frames` after each."""
+    steps, frames = [], []
+    for _, exps in zip(range(iterations), source):   # range first: zip must not step the env once more
+        steps.append([as_tuple(e) for e in exps])
+        frames.append(source.frames)
+    return steps, frames
+
+
+# ---------------------------------------------------------------- ExperienceSourceFirstLast
+def test_one_step_experiences_follow_the_script():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(3)), CountingAgent(), GAMMA, steps_count=1)
+    steps, frames = play(source, 5)
+    # one env: call k gives action 10 * k
+    assert steps == [
+        [(0.0, 0, 1.0, 1.0, 1)],
+        [(1.0, 10, 10.0, 2.0, 1)],
+        [(2.0, 20, 100.0, None, 1)],       # terminated: no last state
+        [],                                # autoreset step
+        [(0.0, 40, 1.0, 1.0, 1)],          # next episode starts from the reset observation
+    ]
+    assert frames == [1, 2, 3, 3, 4]
+
+
+def test_three_step_rewards_are_discounted_and_flushed_at_termination():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(5)), CountingAgent(), GAMMA, steps_count=3)
+    steps, frames = play(source, 9)
+    assert steps == [
+        [],
+        [],
+        [(0.0, 0, 1 + 0.5 * 10 + 0.25 * 100, 3.0, 3)],               # 31
+        [(1.0, 10, 10 + 0.5 * 100 + 0.25 * 1000, 4.0, 3)],           # 310
+        # step 5 terminates: the three states still waiting are flushed with shorter windows
+        [(2.0, 20, 100 + 0.5 * 1000 + 0.25 * 10000, None, 3),        # 3100
+         (3.0, 30, 1000 + 0.5 * 10000, None, 2),                     # 6000
+         (4.0, 40, 10000.0, None, 1)],
+        [],                                                          # autoreset step
+        [],
+        [],
+        [(0.0, 60, 31.0, 3.0, 3)],   # new episode from the reset observation, with call 6's action
+    ]
+    assert frames == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+
+
+def test_truncation_flushes_with_the_real_final_observation():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(4, truncate=True)), CountingAgent(), GAMMA, steps_count=3)
+    steps, _ = play(source, 4)
+    assert steps == [
+        [],
+        [],
+        [(0.0, 0, 31.0, 3.0, 3)],
+        # step 4 truncates: flushed, each bootstrapping from the final observation [4]
+        [(1.0, 10, 10 + 0.5 * 100 + 0.25 * 1000, 4.0, 3),   # 310
+         (2.0, 20, 100 + 0.5 * 1000, 4.0, 2),               # 600
+         (3.0, 30, 1000.0, 4.0, 1)],
+    ]
+
+
+def test_episode_shorter_than_n_steps_is_flushed_whole():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(2, truncate=True)), CountingAgent(), GAMMA, steps_count=3)
+    steps, _ = play(source, 2)
+    assert steps == [[], [(0.0, 0, 1 + 0.5 * 10, 2.0, 2), (1.0, 10, 10.0, 2.0, 1)]]
+
+
+def test_autoreset_step_yields_nothing_and_is_not_counted():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(2)), CountingAgent(), GAMMA, steps_count=1)
+    steps, frames = play(source, 6)
+    # calls 2 and 5 only reset the env: their actions (20, 50) appear nowhere
+    assert steps == [
+        [(0.0, 0, 1.0, 1.0, 1)],
+        [(1.0, 10, 10.0, None, 1)],
+        [],
+        [(0.0, 30, 1.0, 1.0, 1)],
+        [(1.0, 40, 10.0, None, 1)],
+        [],
+    ]
+    assert frames == [1, 2, 2, 3, 4, 4]
+
+
+def test_pop_episodes_returns_reward_and_steps_then_empties():
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(ScriptedEnv(3)), CountingAgent(), GAMMA, steps_count=3)
+    it = iter(source)
+    next(it), next(it)
+    assert source.pop_episodes() == []                       # mid-episode: nothing finished
+    for _ in range(6):                                       # end of episode 1, reset, episode 2
+        next(it)
+    # undiscounted 1 + 10 + 100 in 3 steps, twice
+    assert source.pop_episodes() == [(111.0, 3), (111.0, 3)]
+    assert source.pop_episodes() == []
+
+
+def test_two_envs_never_mix_experiences():
+    short, long = ScriptedEnv(2), ScriptedEnv(4, offset=100)  # env 1's observations are 100 + t
+    source = common.ExperienceSourceFirstLast(
+        scripted_vec_env(short, long), CountingAgent(), GAMMA, steps_count=3)
+    steps, frames = play(source, 7)
+    # env 0: episodes at calls 0-1 and 3-4, resets at 2 and 5; env 1: episode at 0-3, reset at 4
+    assert steps == [
+        [],
+        [(0.0, 0, 1 + 0.5 * 10, None, 2), (1.0, 10, 10.0, None, 1)],
+        [(100.0, 1, 31.0, 103.0, 3)],
+        [(101.0, 11, 310.0, None, 3), (102.0, 21, 600.0, None, 2), (103.0, 31, 1000.0, None, 1)],
+        [(0.0, 30, 6.0, None, 2), (1.0, 40, 10.0, None, 1)],
+        [],
+        [],
+    ]
+    assert frames[-1] == 5 + 6   # env 0 stepped at calls 0, 1, 3, 4, 6; env 1 at 0, 1, 2, 3, 5, 6
+    assert source.pop_episodes() == [(11.0, 2), (1111.0, 4), (11.0, 2)]
+
+
+# ---------------------------------------------------------------- ReplayBuffer
+FRAMES_SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+VECTOR_SPACE = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+
+
+def vector_exp(value, last_state="next"):
+    """Experience whose state is [value] * 4, action value, reward value / 2, last state [value + 1] * 4."""
+    state = np.full(4, value, dtype=np.float32)
+    last = state + 1 if last_state == "next" else last_state
+    return common.ExperienceFirstLast(state, value, value / 2, last, 1)
+
+
+@pytest.mark.parametrize("space", [FRAMES_SPACE, VECTOR_SPACE], ids=["uint8-frames", "float32-vector"])
+def test_replay_sample_shapes_and_dtypes(space):
+    buffer = common.ReplayBuffer(8, space, seed=0)
+    state = np.ones(space.shape, dtype=space.dtype)
+    for _ in range(3):
+        buffer.append(common.ExperienceFirstLast(state, 1, 1.0, state, 1))
+    states, actions, rewards, dones, last_states = buffer.sample(5)
+    assert (states.shape, states.dtype) == ((5, *space.shape), space.dtype)
+    assert (last_states.shape, last_states.dtype) == ((5, *space.shape), space.dtype)
+    assert (actions.shape, actions.dtype) == ((5,), np.int64)
+    assert (rewards.shape, rewards.dtype) == ((5,), np.float32)
+    assert (dones.shape, dones.dtype) == ((5,), np.bool_)
+
+
+def test_replay_rebuilds_stacked_last_state_from_newest_frame():
+    frames = np.random.default_rng(0).integers(0, 256, (7, 84, 84), dtype=np.uint8)
+    buffer = common.ReplayBuffer(8, FRAMES_SPACE, seed=0)
+    for i in range(3):    # a trajectory: state i is frames i..i+3, its last state frames i+1..i+4
+        buffer.append(common.ExperienceFirstLast(frames[i:i + 4], i, 0.0, frames[i + 1:i + 5], 1))
+    states, actions, _, dones, last_states = buffer.sample(16)
+    assert set(actions) == {0, 1, 2}
+    for state, action, last_state in zip(states, actions, last_states):
+        np.testing.assert_array_equal(state, frames[action:action + 4])
+        np.testing.assert_array_equal(last_state, frames[action + 1:action + 5])
+    assert not dones.any()
+
+
+def test_replay_terminal_vector_experience_is_done_with_zero_last_state():
+    buffer = common.ReplayBuffer(1, VECTOR_SPACE, seed=0)
+    buffer.append(vector_exp(2.0))                      # its last state [3, 3, 3, 3] must not survive
+    buffer.append(vector_exp(3.0, last_state=None))     # overwrites the only slot
+    _, _, _, dones, last_states = buffer.sample(2)
+    assert dones.tolist() == [True, True]
+    np.testing.assert_array_equal(last_states, np.zeros((2, 4), dtype=np.float32))
+
+
+def test_replay_terminal_stacked_experience_is_done_with_zero_newest_frame():
+    # only the newest frame is stored, so the rebuilt last state is state[1:] + a zero frame;
+    # harmless, since dones masks it out of the target
+    state = np.arange(1, 5, dtype=np.uint8)[:, None, None].repeat(84, 1).repeat(84, 2)
+    buffer = common.ReplayBuffer(4, FRAMES_SPACE, seed=0)
+    buffer.append(common.ExperienceFirstLast(state, 0, 1.0, None, 1))
+    _, _, _, dones, last_states = buffer.sample(1)
+    assert dones.tolist() == [True]
+    np.testing.assert_array_equal(last_states[0, :3], state[1:])
+    np.testing.assert_array_equal(last_states[0, 3], np.zeros((84, 84), dtype=np.uint8))
+
+
+def test_replay_overwrites_oldest_when_over_capacity():
+    buffer = common.ReplayBuffer(3, VECTOR_SPACE, seed=0)
+    for value in range(1, 6):      # 1, 2, 3, then 4 and 5 replace 1 and 2
+        buffer.append(vector_exp(float(value)))
+    assert len(buffer) == 3
+    states, actions, rewards, dones, last_states = buffer.sample(200)
+    assert set(actions) == {3, 4, 5}
+    np.testing.assert_array_equal(states, np.repeat(actions[:, None], 4, axis=1).astype(np.float32))
+    np.testing.assert_array_equal(rewards, actions / 2)
+    np.testing.assert_array_equal(last_states, states + 1)
+    assert not dones.any()
+
+
+def test_replay_samples_only_filled_slots():
+    buffer = common.ReplayBuffer(10, VECTOR_SPACE, seed=0)
+    assert len(buffer) == 0
+    buffer.append(vector_exp(1.0))
+    buffer.append(vector_exp(2.0))
+    assert len(buffer) == 2
+    states, actions, _, _, _ = buffer.sample(200)
+    assert set(actions) == {1, 2}                 # an empty slot would give action 0
+    assert set(states[:, 0]) == {1.0, 2.0}
+
+
+# ---------------------------------------------------------------- batch unpacking
+def test_unpack_batch_dqn_keeps_values_and_dtypes():
+    batch = (np.arange(2 * 4 * 3 * 3, dtype=np.uint8).reshape(2, 4, 3, 3),
+             np.array([3, 0], dtype=np.int64),
+             np.array([1.5, -1.0], dtype=np.float32),
+             np.array([False, True]),
+             np.arange(2 * 4 * 3 * 3, dtype=np.uint8).reshape(2, 4, 3, 3)[::-1].copy())
+    tensors = common.unpack_batch_dqn(batch, torch.device("cpu"))
+    assert len(tensors) == 5
+    for tensor, array in zip(tensors, batch):
+        assert tensor.device == torch.device("cpu")
+        assert tensor.dtype == torch.from_numpy(array).dtype
+        np.testing.assert_array_equal(tensor.numpy(), array)
+    assert [t.dtype for t in tensors] == [torch.uint8, torch.int64, torch.float32, torch.bool, torch.uint8]
+
+
+class SumValueNet(nn.Module):
+    """Stub actor-critic: zero logits, value = sum of the state."""
+
+    def forward(self, x):
+        return torch.zeros(len(x), 2), x.sum(dim=1)
+
+
+def test_unpack_batch_a2c_bootstraps_only_alive_experiences():
+    exps = [
+        common.ExperienceFirstLast(np.array([1, 0], np.float32), 1, 1.0, np.array([1, 2], np.float32), 1),
+        common.ExperienceFirstLast(np.array([0, 1], np.float32), 0, 2.0, None, 2),
+        common.ExperienceFirstLast(np.array([2, 2], np.float32), 1, 0.5, np.array([4, 4], np.float32), 3),
+    ]
+    states, actions, ref_vals = common.unpack_batch_a2c(exps, SumValueNet(), torch.device("cpu"), GAMMA)
+    np.testing.assert_array_equal(states.numpy(), [[1, 0], [0, 1], [2, 2]])
+    assert states.dtype == torch.float32
+    assert actions.tolist() == [1, 0, 1] and actions.dtype == torch.int64
+    # 1 + 0.5 * V([1, 2]) = 1 + 0.5 * 3 = 2.5;  terminated: 2;  0.5 + 0.5 ** 3 * V([4, 4]) = 0.5 + 1 = 1.5
+    assert ref_vals.tolist() == [2.5, 2.0, 1.5]
+    assert ref_vals.dtype == torch.float32 and ref_vals.device == torch.device("cpu")
+
+
+def test_unpack_batch_a2c_all_terminated_needs_no_net():
+    exps = [common.ExperienceFirstLast(np.zeros(2, np.float32), 0, 3.0, None, 1)]
+    _, _, ref_vals = common.unpack_batch_a2c(exps, None, torch.device("cpu"), GAMMA)
+    assert ref_vals.tolist() == [3.0]
+
+
+# ---------------------------------------------------------------- networks
+@pytest.mark.parametrize("obs_shape, dtype", [((4, 84, 84), torch.uint8), ((4,), torch.float32)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_network_output_shapes(obs_shape, dtype, batch):
+    x = torch.zeros(batch, *obs_shape, dtype=dtype)
+    with torch.no_grad():
+        q_vals = common.DQN(obs_shape, 6)(x)
+        logits, value = common.A2C(obs_shape, 6)(x)
+    assert q_vals.shape == (batch, 6)
+    assert logits.shape == (batch, 6)
+    assert value.shape == (batch,)
+    assert q_vals.dtype == logits.dtype == value.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- presets
+def test_pong_epsilon_decays_linearly_then_stays():
+    params = common.PRESETS["pong"]
+    assert params.epsilon(0) == 1.0
+    assert params.epsilon(50_000) == pytest.approx(0.51)      # 1 + 0.5 * (0.02 - 1)
+    assert params.epsilon(100_000) == pytest.approx(0.02)
+    assert params.epsilon(1_000_000) == pytest.approx(0.02)
+
+
+# ---------------------------------------------------------------- Atari pipelines
+def test_classic_and_fast_atari_pipelines_give_identical_observations():
+    params = common.PRESETS["pong"]
+    classic = common.make_classic_env(params, 1, noop_max=0)
+    fast = common.make_fast_env(params, 1, threads=1, noop_max=0)
+    try:
+        obs_classic, _ = classic.reset(seed=42)
+        obs_fast, _ = fast.reset(seed=42)
+        assert obs_classic.shape == obs_fast.shape == (1, 4, 84, 84)
+        assert obs_classic.dtype == obs_fast.dtype == np.uint8
+        assert np.array_equal(obs_classic, obs_fast)
+        rng = np.random.default_rng(0)
+        for step in range(300):
+            actions = rng.integers(0, classic.single_action_space.n, 1)
+            out_classic, out_fast = classic.step(actions), fast.step(actions)
+            for name, a, b in zip(["obs", "reward", "terminated", "truncated"], out_classic, out_fast):
+                assert np.array_equal(a, b), f"{name} differs at step {step}"
+    finally:
+        classic.close()
+        fast.close()
+
+
+# ---------------------------------------------------------------- RewardTracker
+def fake_args(max_frames=None):
+    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames)
+
+
+def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = common.PRESETS["pong"]                       # stop_reward 18
+    with common.RewardTracker(fake_args(), params, nn.Linear(2, 1)) as tracker:
+        assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
+        assert not tracker.solved
+        assert tracker.update(20, [(21.0, 100)])            # the 100th
+        assert tracker.solved and tracker.episodes == 100
+
+
+def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+        assert not tracker.update(10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
+        # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
+        assert not tracker.update(20, [(19.0, 100)] * 49)
+        assert tracker.update(30, [(19.0, 100)])
+
+
+def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with common.RewardTracker(fake_args(max_frames=1000), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+        assert not tracker.update(999, [])
+        assert tracker.update(1000, [])
+    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+        assert not tracker.update(10 ** 9, [])                 # no limit
+
+
+def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    net = nn.Linear(2, 1)
+    with common.RewardTracker(fake_args(), common.PRESETS["pong"], net) as tracker:
+        tracker.update(100, [(-21.0, 800)])
+        tracker.train(loss=0.5)
+        tracker.update(200, [(-19.0, 900)])
+        tracker.train(loss=1.5)
+    log_dir = tmp_path / tracker.log_dir
+    assert os.path.relpath(log_dir, tmp_path).startswith(os.path.join("runs", "test-pong-unit-"))
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    assert scalars("episodes/reward") == [(100, -21.0), (200, -19.0)]
+    assert scalars("episodes/avg_reward") == [(100, -21.0), (200, -20.0)]
+    assert scalars("episodes/steps") == [(100, 800.0), (200, 900.0)]
+    assert scalars("train/loss") == [(100, 0.5), (200, 1.5)]
+    assert scalars("train/avg_loss") == [(100, 0.5), (200, 1.0)]
+
+    best = torch.load(log_dir / "best.pt")
+    assert best.keys() == net.state_dict().keys()
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(best[name], tensor)
+
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["episodes"] == 2 and summary["frames"] == 200
+    assert summary["mean_reward"] == -20.0 and summary["solved"] is False
