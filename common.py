@@ -230,6 +230,7 @@ class ReplayBuffer:
 
     def append(self, exp):
         """Store one experience, overwriting the oldest when full."""
+        assert exp.steps == 1, "the buffer stores one-step transitions"
         i = self.pos
         self.states[i], self.actions[i], self.rewards[i] = exp.state, exp.action, exp.reward
         self.dones[i] = exp.last_state is None
@@ -307,10 +308,11 @@ class RewardTracker:
         self.writer.add_scalar("episodes/reward", reward, self.frames)
         self.writer.add_scalar("episodes/avg_reward", mean, self.frames)
         self.writer.add_scalar("episodes/steps", steps, self.frames)
-        if self.best_mean is None or mean > self.best_mean:
+        full = len(self.rewards) == self.rewards.maxlen   # judge only a full window of 100 episodes
+        if full and (self.best_mean is None or mean > self.best_mean):
             self.best_mean = mean
             torch.save(self.net.state_dict(), os.path.join(self.log_dir, "best.pt"))
-        self.solved = len(self.rewards) == self.rewards.maxlen and mean >= self.params.stop_reward
+        self.solved = self.solved or (full and mean >= self.params.stop_reward)
         now = time.perf_counter()
         if now - self.last_print[1] >= 1.0 or self.solved:
             fps = (self.frames - self.last_print[0]) / (now - self.last_print[1])
@@ -355,7 +357,7 @@ class RewardTracker:
             self.exit_code = 1
         elif exc_type is not None:
             return False
-        if self.best_mean is None:
+        if self.best_mean is None:  # no full window yet: the latest model is the best we know
             torch.save(self.net.state_dict(), os.path.join(self.log_dir, "best.pt"))
         self.writer.close()
         print(json.dumps(self.summary()), flush=True)

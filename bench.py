@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Measure the ceilings of this machine, then every script for the same number of training frames,
+and print a markdown table: train fps, ratio to dqn_baseline, fraction of the ceiling, peak memory."""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import common
+
+SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "a3c_data", "a3c_grad"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed_rate(step, items_per_step, seconds):
+    """Items per second of step(), after a warm-up, over about the given seconds."""
+    for _ in range(3):
+        step()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        count += 1
+    return count * items_per_step / (time.perf_counter() - start)
+
+
+def env_ceiling(params, n_envs, seconds):
+    """Agent steps/s of the fast vector env alone, random actions."""
+    env = common.make_fast_env(params, n_envs)
+    env.reset(seed=0)
+    actions = np.zeros(n_envs, dtype=np.int64)
+
+    def step():
+        actions[:] = np.random.randint(env.single_action_space.n, size=n_envs)
+        env.step(actions)
+    rate = timed_rate(step, n_envs, seconds)
+    env.close()
+    return rate
+
+
+def real_states(params, batch):
+    """A batch of observations from the env under random actions."""
+    env = common.make_fast_env(params, 1)
+    states = [env.reset(seed=0)[0][0]]
+    while len(states) < batch:
+        states.append(env.step(np.array([env.single_action_space.sample()]))[0][0])
+    env.close()
+    return np.stack(states)
+
+
+def dqn_ceiling(params, space, n_actions, device, seconds):
+    """Frames/s the DQN training step alone allows: samples/s at batch 32, divided by 32."""
+    from dqn_fast import calc_loss_dqn
+    net = common.DQN(space.shape, n_actions).to(device)
+    tgt_net = common.DQN(space.shape, n_actions).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    states = real_states(params, params.batch_size)
+    batch = (states, np.random.randint(n_actions, size=params.batch_size),
+             np.random.rand(params.batch_size).astype(np.float32),
+             np.zeros(params.batch_size, dtype=bool), states)
+
+    def step():
+        optimizer.zero_grad()
+        calc_loss_dqn(batch, net, tgt_net, params.gamma, device).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return timed_rate(step, params.batch_size, seconds) / params.batch_size
+
+
+def a2c_ceiling(params, space, n_actions, device, seconds, batch_size=128):
+    """Samples/s of the A2C training step alone (batch 128)."""
+    net = common.A2C(space.shape, n_actions).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3, eps=1e-3)
+    states = torch.as_tensor(real_states(params, batch_size), device=device)
+    actions = torch.randint(n_actions, (batch_size,), device=device)
+    ref_vals = torch.randn(batch_size, device=device)
+
+    def step():
+        optimizer.zero_grad()
+        logits, values = net(states)
+        log_probs = F.log_softmax(logits, dim=1)
+        adv = ref_vals - values.detach()
+        loss_policy = -(adv * log_probs[torch.arange(batch_size), actions]).mean()
+        loss_entropy = 0.01 * (log_probs.exp() * log_probs).sum(dim=1).mean()
+        (loss_policy + loss_entropy + F.mse_loss(values, ref_vals)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return timed_rate(step, batch_size, seconds)
+
+
+def tree_rss(pid):
+    """Resident bytes of a process and all its descendants (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+        children = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except (OSError, StopIteration):
+        return 0
+    return rss + sum(tree_rss(child) for child in children)
+
+
+def run_script(script, args, warmup):
+    """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
+    cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), "--env", args.env,
+           "--max-frames", str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
+    cmd += args.script_args.get(script, [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        time.sleep(0.5)
+    lines = proc.stdout.read().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"bench.py: error: {script} exited with code {proc.returncode}")
+    summary = json.loads(lines[-1])
+    summary["peak_rss"] = peak
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--env", choices=sorted(common.PRESETS), default="pong")
+    parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--frames", type=common.positive_int, default=3000,
+                        help="training frames per script, after its warm-up (default: 3000)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="time per ceiling (default: 10)")
+    parser.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS)
+    parser.add_argument("--envs", type=common.positive_int, help="passed to the DQN scripts and A3C")
+    parser.add_argument("--processes", type=common.positive_int, help="passed to the A3C scripts")
+    args = parser.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        parser.error("--cuda given, but no CUDA device is available")
+    device = torch.device("cuda" if args.cuda else "cpu")
+    params = common.PRESETS[args.env]
+    args.script_args = {s: [] for s in SCRIPTS}
+    for script in SCRIPTS[1:]:
+        args.script_args[script] += ["--envs", str(args.envs)] if args.envs else []
+    for script in ["a3c_data", "a3c_grad"]:
+        args.script_args[script] += ["--processes", str(args.processes)] if args.processes else []
+
+    env = common.make_fast_env(params, 1)
+    space, n_actions = env.single_observation_space, env.single_action_space.n
+    env.close()
+    ceilings = {
+        "env": env_ceiling(params, 8, args.seconds),
+        "DQN net": dqn_ceiling(params, space, n_actions, device, args.seconds),
+        "A2C net": a2c_ceiling(params, space, n_actions, device, args.seconds),
+    }
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if args.cuda:
+        machine += f", {torch.cuda.get_device_name()}"
+    print(f"Machine: {machine}; torch {torch.__version__}; command: python bench.py {' '.join(sys.argv[1:])}")
+    print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s; "
+          f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
+          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s\n")
+
+    rows, baseline = [], None
+    for script in args.scripts:
+        path = os.path.join(HERE, f"{script}.py")
+        if not os.path.exists(path):
+            continue
+        warmup = params.replay_start if script.startswith("dqn") else 0
+        summary = run_script(script, args, warmup)
+        bound = "DQN net" if script.startswith("dqn") else "A2C net"
+        bound = min([bound, "env"], key=ceilings.get)
+        if script == "dqn_baseline":
+            baseline = summary["train_fps"]
+        rows.append((script, summary, bound))
+        print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+
+    print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |")
+    print("|---|---:|---:|---:|---:|")
+    for script, summary, bound in rows:
+        ratio = f"{summary['train_fps'] / baseline:.2f}x" if baseline else "-"
+        fraction = summary["train_fps"] / ceilings[bound]
+        print(f"| {script} | {summary['train_fps']:.0f} | {ratio} | {fraction:.0%} ({bound}) "
+              f"| {summary['peak_rss'] / 2**30:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
