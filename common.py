@@ -37,6 +37,18 @@ class Preset:
     epsilon_start: float = 1.0
     epsilon_final: float = 0.02
     epsilon_frames: int = 100_000
+    # A3C
+    a3c_learning_rate: float = 1e-3
+    adam_eps: float = 1e-3
+    entropy_beta: float = 0.01
+    reward_steps: int = 4         # n of the n-step reference values
+    clip_grad: float = 0.1        # max L2 norm of the gradient
+    processes: int = 4
+    envs: int = 8                 # envs per worker process
+    micro_batch: int = 32         # a3c_data: samples per worker message
+    a3c_batch: int = 128          # a3c_data: samples per training step
+    grad_batch: int = 64          # a3c_grad: samples per worker gradient
+    grads_per_step: int = 2       # a3c_grad: worker gradients summed per optimizer step
 
     def epsilon(self, frames):
         """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames."""

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""A3C on Pong, data parallel: worker processes play and send training samples to one learner.
+
+What crosses the process boundary: the weights, in shared CPU memory (on CPU the learner trains
+that very network, so workers see every update at once; with --cuda the learner trains on the GPU
+and copies the weights into the shared CPU network after every step), and numpy arrays through
+the queue. Workers act on the CPU, one thread each; no GPU tensor ever leaves the learner."""
+import copy
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import common
+
+
+@torch.no_grad()
+def select_actions(net, states):
+    """Actions sampled from the policy for a batch of states."""
+    logits, _ = net(torch.as_tensor(states))
+    return torch.distributions.Categorical(logits=logits).sample().numpy()
+
+
+def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
+    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its parts."""
+    logits, values = net(states)
+    loss_value = F.mse_loss(values, ref_vals)
+    log_probs = F.log_softmax(logits, dim=1)
+    adv = ref_vals - values.detach()
+    loss_policy = -(adv * log_probs[torch.arange(len(actions)), actions]).mean()
+    loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
+    loss_total = loss_policy + loss_value + loss_entropy
+    stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
+             "loss_policy": loss_policy, "loss_value": loss_value, "loss_total": loss_total}
+    return loss_total, stats
+
+
+def data_func(params, args, net, train_queue, worker_id):
+    """Worker process: play its envs with the shared net, send n-step samples in micro-batches."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)                       # one core per worker
+    torch.manual_seed(args.seed + worker_id)
+    env = common.make_fast_env(params, args.envs, threads=1)
+    exp_source = common.ExperienceSourceFirstLast(
+        env, lambda states: select_actions(net, states), params.gamma, params.reward_steps,
+        seed=args.seed + worker_id * args.envs)
+    micro_batch, frames_sent = [], 0
+    for exps in exp_source:
+        micro_batch.extend(exps)
+        if len(micro_batch) < params.micro_batch:
+            continue
+        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, "cpu", params.gamma)
+        micro_batch.clear()
+        new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
+        common.queue_put(train_queue, (states.numpy(), actions.numpy(), ref_vals.numpy(),
+                                       new_frames, exp_source.pop_episodes()))
+
+
+if __name__ == "__main__":
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--processes", type=common.positive_int, help="worker processes (default: preset)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: preset)")
+    args, params, device = common.setup(parser)
+    args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
+    env = common.make_fast_env(params, 1)  # here only for its spaces: the workers play their own
+    net = common.A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.a3c_learning_rate, eps=params.adam_eps)
+    shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
+    shared_net.share_memory()
+    train_queue = mp.get_context("spawn").Queue(maxsize=args.processes)
+    workers = [mp.get_context("spawn").Process(
+        target=data_func, args=(params, args, shared_net, train_queue, i), name=f"worker {i}")
+        for i in range(args.processes)]
+    batch, frames = [], 0
+
+    with common.RewardTracker(args, params, net) as tracker, common.child_processes(workers):
+        for states, actions, ref_vals, new_frames, episodes in common.queue_items(train_queue, workers):
+            frames += new_frames
+            if tracker.update(frames, episodes):
+                break
+            # the learner only trains: it stacks micro-batches from all workers into one batch
+            batch.append((states, actions, ref_vals))
+            if sum(len(b[0]) for b in batch) < params.a3c_batch:
+                continue
+            states, actions, ref_vals = (torch.as_tensor(np.concatenate(x), device=device) for x in zip(*batch))
+            batch.clear()
+            optimizer.zero_grad()
+            loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
+            loss_total.backward()
+            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
+            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
+            optimizer.step()
+            if shared_net is not net:  # workers play on the CPU copy
+                shared_net.load_state_dict(net.state_dict())
+            stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
+            tracker.train(loss=stats["loss_total"], **stats)
+    sys.exit(tracker.exit_code)

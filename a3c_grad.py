@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""A3C on Pong, gradient parallel: workers compute gradients, one process applies them to a
+network in shared memory.
+
+What crosses the process boundary: the weights, in shared CPU memory (on CPU the main process
+steps that very network, so workers see every update at once; with --cuda it steps a GPU copy
+and copies the weights into the shared CPU network after every step), and numpy gradients through
+the queue. Workers play and backpropagate on the CPU, one thread each; no GPU tensor ever leaves
+the main process."""
+import copy
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import common
+
+
+@torch.no_grad()
+def select_actions(net, states):
+    """Actions sampled from the policy for a batch of states."""
+    logits, _ = net(torch.as_tensor(states))
+    return torch.distributions.Categorical(logits=logits).sample().numpy()
+
+
+def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
+    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its parts."""
+    logits, values = net(states)
+    loss_value = F.mse_loss(values, ref_vals)
+    log_probs = F.log_softmax(logits, dim=1)
+    adv = ref_vals - values.detach()
+    loss_policy = -(adv * log_probs[torch.arange(len(actions)), actions]).mean()
+    loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
+    loss_total = loss_policy + loss_value + loss_entropy
+    stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
+             "loss_policy": loss_policy, "loss_value": loss_value, "loss_total": loss_total}
+    return loss_total, stats
+
+
+def grads_func(params, args, net, train_queue, worker_id):
+    """Worker process: play its envs with the shared net, send the gradient of each batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)                       # one core per worker
+    torch.manual_seed(args.seed + worker_id)
+    env = common.make_fast_env(params, args.envs, threads=1)
+    exp_source = common.ExperienceSourceFirstLast(
+        env, lambda states: select_actions(net, states), params.gamma, params.reward_steps,
+        seed=args.seed + worker_id * args.envs)
+    batch, frames_sent = [], 0
+    for exps in exp_source:
+        batch.extend(exps)
+        if len(batch) < params.grad_batch:
+            continue
+        states, actions, ref_vals = common.unpack_batch_a2c(batch, net, "cpu", params.gamma)
+        batch.clear()
+        net.zero_grad()  # grads are this process's own: the shared memory holds only the weights
+        loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
+        loss_total.backward()
+        grads = [p.grad.numpy() for p in net.parameters()]
+        stats = {k: v.item() for k, v in stats.items()}
+        new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
+        common.queue_put(train_queue, (grads, stats, new_frames, exp_source.pop_episodes()))
+
+
+def sum_grads(net, grads_list, device):
+    """Set each parameter's grad to the sum of the workers' gradients, replacing what was there."""
+    for param, grads in zip(net.parameters(), zip(*grads_list)):
+        param.grad = torch.as_tensor(np.sum(grads, axis=0), device=device)
+
+
+if __name__ == "__main__":
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--processes", type=common.positive_int, help="worker processes (default: preset)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: preset)")
+    args, params, device = common.setup(parser)
+    args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
+    env = common.make_fast_env(params, 1)  # here only for its spaces: the workers play their own
+    net = common.A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.a3c_learning_rate, eps=params.adam_eps)
+    shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
+    shared_net.share_memory()
+    train_queue = mp.get_context("spawn").Queue(maxsize=args.processes)
+    workers = [mp.get_context("spawn").Process(
+        target=grads_func, args=(params, args, shared_net, train_queue, i), name=f"worker {i}")
+        for i in range(args.processes)]
+    grads_list, frames = [], 0
+
+    with common.RewardTracker(args, params, net) as tracker, common.child_processes(workers):
+        for grads, stats, new_frames, episodes in common.queue_items(train_queue, workers):
+            frames += new_frames
+            if tracker.update(frames, episodes):
+                break
+            # the main process only applies gradients: it sums a few workers' into one step
+            grads_list.append(grads)
+            if len(grads_list) < params.grads_per_step:
+                continue
+            sum_grads(net, grads_list, device)
+            grads_list.clear()
+            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
+            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
+            optimizer.step()
+            if shared_net is not net:  # workers play on the CPU copy
+                shared_net.load_state_dict(net.state_dict())
+            tracker.train(loss=stats["loss_total"], **stats)
+    sys.exit(tracker.exit_code)
