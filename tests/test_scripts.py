@@ -1,0 +1,222 @@
+"""End to end: every script answers bad input, runs on Pong, learns CartPole and stops cleanly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import a3c_grad  # noqa: E402
+import common  # noqa: E402
+
+DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp"]
+A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
+MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
+SCRIPTS = DQN_SCRIPTS + A3C_SCRIPTS
+A3C_TAGS = ["train/advantage", "train/values", "train/loss_entropy", "train/loss_policy", "train/loss_value",
+            "train/loss_total", "train/grad_l2", "train/grad_max"]
+CRASH_HOOK = '''
+import multiprocessing
+import common
+_iter = common.ExperienceSourceFirstLast.__iter__
+def crashing_iter(self):
+    for step, exps in enumerate(_iter(self)):
+        if step == 20 and multiprocessing.parent_process() is not None:
+            raise RuntimeError("injected crash")
+        yield exps
+common.ExperienceSourceFirstLast.__iter__ = crashing_iter
+'''
+
+
+def start(script, *args, cwd, env=None):
+    """Start a script as a user would, in cwd, with its output captured."""
+    return subprocess.Popen([sys.executable, os.path.join(REPO, f"{script}.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run(script, *args, cwd, env=None, timeout=900):
+    """Run a script to its end; returns (exit code, stdout, stderr)."""
+    proc = start(script, *args, cwd=cwd, env=env)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def summary(out):
+    """The JSON object on the last line of a script's output."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def events(cwd):
+    """Scalars of the only run under cwd/runs, as {tag: [values]}."""
+    (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
+    acc = EventAccumulator(os.path.join(cwd, "runs", run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def tagged_env(tag):
+    """The environment of a run whose processes can be found again by the tag."""
+    return dict(os.environ, RL_TEST_TAG=tag)
+
+
+def tagged_pids(tag):
+    """Live processes carrying the tag in their environment (Linux /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RL_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def assert_none_left(tag, seconds=5.0):
+    """No process of the run is alive within a few seconds."""
+    deadline = time.time() + seconds
+    while tagged_pids(tag) and time.time() < deadline:
+        time.sleep(0.2)
+    assert tagged_pids(tag) == []
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="process checks read /proc")
+
+
+# ---------------------------------------------------------------- bad input
+BAD_INPUT = [(["--env", "mars"], "invalid choice"), (["--max-frames", "-1"], "positive integer"),
+             (["--max-frames", "lots"], "positive integer"), (["--seed", "x"], "invalid int")]
+BAD_INPUT += [] if torch.cuda.is_available() else [(["--cuda"], "no CUDA device")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_ends_with_one_line_and_exit_code_2(script, args, message, tmp_path):
+    code, out, err = run(script, *args, cwd=tmp_path)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and f"{script}.py: error:" in err
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("script, option", [("dqn_fast", "--envs"), ("dqn_mp", "--envs"), ("a3c_data", "--envs"),
+                                            ("a3c_grad", "--envs"), ("a3c_data", "--processes"),
+                                            ("a3c_grad", "--processes")])
+def test_bad_counts_end_with_one_line_and_exit_code_2(script, option, tmp_path):
+    code, _, err = run(script, option, "0", cwd=tmp_path)
+    assert code == 2 and err.count("\n") == 1 and "positive integer" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- Pong, tiny budget
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_runs_on_pong_with_optimizer_steps_and_logs(script, tmp_path):
+    warmup = common.PRESETS["pong"].replay_start if script in DQN_SCRIPTS else 0
+    code, out, err = run(script, "--max-frames", str(warmup + 600), "--envs", "3", cwd=tmp_path) \
+        if script != "dqn_baseline" else run(script, "--max-frames", str(warmup + 100), cwd=tmp_path)
+    assert code == 0, err
+    result = summary(out)
+    assert result["script"] == script and result["env"] == "pong" and result["train_frames"] > 0
+    scalars = events(tmp_path)
+    assert len(scalars["train/loss"]) > 0 and "train/avg_loss" in scalars
+    expected = ["train/epsilon", "episodes/reward", "episodes/avg_reward", "episodes/steps", "train/avg_fps"] \
+        if script in DQN_SCRIPTS else A3C_TAGS
+    assert set(expected) <= set(scalars)
+    assert os.path.exists(os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0], "best.pt"))
+
+
+# ---------------------------------------------------------------- CartPole learning
+BUDGET = {"dqn_baseline": 100_000, "dqn_fast": 100_000, "dqn_mp": 100_000,
+          "a3c_data": 1_000_000, "a3c_grad": 1_000_000}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_learns_cartpole_within_budget(script, tmp_path):
+    code, out, err = run(script, "--env", "cartpole", "--seed", "1", "--max-frames", str(BUDGET[script]),
+                         cwd=tmp_path)
+    assert code == 0, err
+    result = summary(out)
+    assert result["solved"], result
+    assert result["mean_reward"] >= common.PRESETS["cartpole"].stop_reward
+
+
+@pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
+def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
+    args = ["--env", "cartpole", "--max-frames", "3000"] + (["--envs", str(envs)] if envs > 1 else [])
+    code, out, err = run(script, *args, cwd=tmp_path)
+    assert code == 0, err
+    result, steps = summary(out), len(events(tmp_path)["train/loss"])
+    # each training step of 32 * envs samples comes with one step of all envs: envs frames,
+    # less the slots that only reset an env (at most one per finished episode)
+    assert envs * steps - result["episodes"] - envs <= result["train_frames"] <= envs * steps
+
+
+# ---------------------------------------------------------------- processes
+@needs_proc
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+def test_normal_end_leaves_no_process(script, tmp_path):
+    tag = uuid.uuid4().hex
+    code, out, _ = run(script, "--env", "cartpole", "--max-frames", "3000", cwd=tmp_path, env=tagged_env(tag))
+    assert code == 0 and summary(out)["frames"] >= 3000
+    assert_none_left(tag)
+
+
+@needs_proc
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+def test_sigint_stops_everything_with_a_summary(script, tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start(script, "--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
+    assert proc.stdout.readline().strip()          # a progress line: the run is under way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert summary(out)["solved"] is False and "Traceback" not in err
+    assert_none_left(tag)
+
+
+@needs_proc
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
+    tag = uuid.uuid4().hex
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(CRASH_HOOK)
+    env = dict(tagged_env(tag), PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+    code, out, err = run(script, "--env", "cartpole", cwd=tmp_path, env=env, timeout=120)
+    assert code == 1
+    assert "RuntimeError: injected crash" in err and "exited with code 1" in err
+    assert "frames" in summary(out)
+    assert_none_left(tag)
+
+
+# ---------------------------------------------------------------- a3c_grad plumbing
+def test_a3c_grad_applies_the_sum_of_worker_gradients():
+    net = torch.nn.Linear(2, 1)
+    net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
+    worker_1 = [np.array([[1.0, 2.0]], dtype=np.float32), np.array([3.0], dtype=np.float32)]
+    worker_2 = [np.array([[10.0, 20.0]], dtype=np.float32), np.array([30.0], dtype=np.float32)]
+    a3c_grad.sum_grads(net, [worker_1, worker_2], "cpu")
+    assert net.weight.grad.tolist() == [[11.0, 22.0]]
+    assert net.bias.grad.tolist() == [33.0]
+
+
+def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losses():
+    torch.manual_seed(0)
+    net = common.A2C((4,), 2)
+    batches = [(torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1]), torch.randn(5)) for _ in range(2)]
+    sent = []
+    for states, actions, ref_vals in batches:          # what each worker does
+        net.zero_grad()
+        a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
+        sent.append([p.grad.numpy().copy() for p in net.parameters()])
+    a3c_grad.sum_grads(net, sent, "cpu")
+    applied = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    sum(a3c_grad.calc_loss_a2c(net, *batch, 0.01)[0] for batch in batches).backward()
+    for got, expected in zip(applied, net.parameters()):
+        torch.testing.assert_close(got, expected.grad)
