@@ -245,6 +245,14 @@ def test_replay_terminal_stacked_experience_is_done_with_zero_newest_frame():
     np.testing.assert_array_equal(last_states[0, 3], np.zeros((84, 84), dtype=np.uint8))
 
 
+def test_pong_replay_buffer_fits_in_memory():
+    params = common.PRESETS["pong"]
+    buffer = common.ReplayBuffer(params.replay_size, gym.spaces.Box(0, 255, (4, 84, 84), np.uint8))
+    arrays = [buffer.states, buffer.last_states, buffer.actions, buffer.rewards, buffer.dones]
+    # 100k states of 4 * 84 * 84 bytes (2.63 GiB) plus only the newest frame of each next state
+    assert sum(a.nbytes for a in arrays) < 3.3 * 2 ** 30
+
+
 def test_replay_overwrites_oldest_when_over_capacity():
     buffer = common.ReplayBuffer(3, VECTOR_SPACE, seed=0)
     for value in range(1, 6):      # 1, 2, 3, then 4 and 5 replace 1 and 2
@@ -380,6 +388,14 @@ def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
         # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
         assert not tracker.update(20, [(19.0, 100)] * 49)
         assert tracker.update(30, [(19.0, 100)])
+
+
+def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+        tracker.update(1, [(18.0, 1)] * 99)
+        # the 100th episode solves it; the one after drops the mean below 18 again
+        assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
 
 
 def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
