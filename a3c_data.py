@@ -61,8 +61,8 @@ def data_func(params, args, net, train_queue, worker_id):
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="worker processes (default: preset)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: preset)")
+    parser.add_argument("--processes", type=common.positive_int, help="workers (default: from the preset)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
     args, params, device = common.setup(parser)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(params, 1)  # here only for its spaces: the workers play their own
@@ -85,7 +85,8 @@ if __name__ == "__main__":
             batch.append((states, actions, ref_vals))
             if sum(len(b[0]) for b in batch) < params.a3c_batch:
                 continue
-            states, actions, ref_vals = (torch.as_tensor(np.concatenate(x), device=device) for x in zip(*batch))
+            states, actions, ref_vals = (torch.as_tensor(np.concatenate(parts), device=device)
+                                         for parts in zip(*batch))
             batch.clear()
             optimizer.zero_grad()
             loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)

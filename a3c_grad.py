@@ -73,8 +73,8 @@ def sum_grads(net, grads_list, device):
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="worker processes (default: preset)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: preset)")
+    parser.add_argument("--processes", type=common.positive_int, help="workers (default: from the preset)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
     args, params, device = common.setup(parser)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(params, 1)  # here only for its spaces: the workers play their own

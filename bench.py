@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import common
 
@@ -74,27 +73,23 @@ def dqn_ceiling(params, space, n_actions, device, seconds):
     return timed_rate(step, params.batch_size, seconds) / params.batch_size
 
 
-def a2c_ceiling(params, space, n_actions, device, seconds, batch_size=128):
-    """Samples/s of the A2C training step alone (batch 128)."""
+def a2c_ceiling(params, space, n_actions, device, seconds):
+    """Samples/s of the A2C training step alone, at the learner's batch size (128 for Pong)."""
+    from a3c_data import calc_loss_a2c
     net = common.A2C(space.shape, n_actions).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3, eps=1e-3)
-    states = torch.as_tensor(real_states(params, batch_size), device=device)
-    actions = torch.randint(n_actions, (batch_size,), device=device)
-    ref_vals = torch.randn(batch_size, device=device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.a3c_learning_rate, eps=params.adam_eps)
+    states = torch.as_tensor(real_states(params, params.a3c_batch), device=device)
+    actions = torch.randint(n_actions, (params.a3c_batch,), device=device)
+    ref_vals = torch.randn(params.a3c_batch, device=device)
 
     def step():
         optimizer.zero_grad()
-        logits, values = net(states)
-        log_probs = F.log_softmax(logits, dim=1)
-        adv = ref_vals - values.detach()
-        loss_policy = -(adv * log_probs[torch.arange(batch_size), actions]).mean()
-        loss_entropy = 0.01 * (log_probs.exp() * log_probs).sum(dim=1).mean()
-        (loss_policy + loss_entropy + F.mse_loss(values, ref_vals)).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+        calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)[0].backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return timed_rate(step, batch_size, seconds)
+    return timed_rate(step, params.a3c_batch, seconds)
 
 
 def tree_rss(pid):
@@ -161,7 +156,8 @@ def main():
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if args.cuda:
         machine += f", {torch.cuda.get_device_name()}"
-    print(f"Machine: {machine}; torch {torch.__version__}; command: python bench.py {' '.join(sys.argv[1:])}")
+    command = " ".join(["python bench.py"] + sys.argv[1:])
+    print(f"Machine: {machine}; torch {torch.__version__}; command: {command}")
     print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
           f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s\n")

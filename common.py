@@ -294,7 +294,8 @@ class RewardTracker:
 
     def __init__(self, args, params, net):
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.log_dir = os.path.join("runs", "-".join(filter(None, [args.script, args.env, args.name, stamp])))
+        name = "-".join(filter(None, [args.script, args.env, args.name, stamp]))
+        self.log_dir = os.path.join("runs", name)
         self.writer = SummaryWriter(self.log_dir)
         self.args, self.params, self.net = args, params, net
         self.rewards = collections.deque(maxlen=100)
@@ -431,7 +432,7 @@ def queue_put(data_queue, item):
 
 
 def queue_items(data_queue, processes):
-    """Items from the queue, forever; raises ChildProcessError if a child died, instead of waiting forever."""
+    """Items from the queue, forever; raises ChildProcessError if a child died, rather than hang."""
     while True:
         try:
             yield data_queue.get(timeout=1.0)
@@ -443,7 +444,7 @@ def queue_items(data_queue, processes):
 
 @contextlib.contextmanager
 def child_processes(processes):
-    """Start the children; on leaving, for whatever reason, terminate them and wait, so none is left behind."""
+    """Start the children; on leaving, for any reason, terminate them and wait: none is left behind."""
     for proc in processes:
         proc.start()
     try:

@@ -33,7 +33,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped together (default: 3)")
+    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
     args, params, device = common.setup(parser)
     env = common.make_fast_env(params, args.envs)
     net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)

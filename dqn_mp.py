@@ -53,7 +53,7 @@ def play_func(params, args, net, exp_queue):
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped together (default: 3)")
+    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
     args, params, device = common.setup(parser)
     env = common.make_fast_env(params, args.envs)  # here only for its spaces: the child plays its own
     net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
