@@ -125,6 +125,7 @@ def run_script(script, args, warmup):
 
 
 def main():
+    """Measure the ceilings, run the scripts, print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--env", choices=sorted(common.PRESETS), default="pong")
     parser.add_argument("--cuda", action="store_true")

@@ -69,6 +69,7 @@ class FireOnReset(gym.Wrapper):
     """Press FIRE for one emulator frame after reset, as ale-py's vector env does."""
 
     def reset(self, **kwargs):
+        """Reset, then FIRE once; a game that ends on that frame is reset again."""
         self.env.reset(**kwargs)
         obs, _, terminated, truncated, info = self.env.step(1)
         if terminated or truncated:
@@ -84,6 +85,7 @@ def atari_game(env_id):
 def make_classic_env(params, n_envs=1, noop_max=30):
     """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
     def make_one():
+        """One env with the Atari wrappers where the game needs them."""
         env = gym.make(params.env_id)
         if atari_game(params.env_id):
             if "FIRE" in env.unwrapped.get_action_meanings():
@@ -140,6 +142,7 @@ class DQN(nn.Module):
         self.head = make_head(features, hidden, n_actions)
 
     def forward(self, x):
+        """Q-values [batch, n_actions] for a batch of observations."""
         return self.head(self.body(as_float(x)))
 
 
@@ -153,6 +156,7 @@ class A2C(nn.Module):
         self.value = make_head(features, hidden, 1)
 
     def forward(self, x):
+        """Policy logits [batch, n_actions] and state values [batch]."""
         features = self.body(as_float(x))
         return self.policy(features), self.value(features).squeeze(-1)
 
@@ -175,6 +179,7 @@ class ExperienceSourceFirstLast:
         self.finished = []               # (reward, steps) of episodes ended since pop_episodes()
 
     def __iter__(self):
+        """Forever: step all envs once, yield the list of experiences that step completed."""
         n = self.env.num_envs
         obs, _ = self.env.reset(seed=self.seed)
         history = [collections.deque() for _ in range(n)]   # (state, action, reward) per env
@@ -238,6 +243,7 @@ class ReplayBuffer:
         self.rng = np.random.default_rng(seed)
 
     def __len__(self):
+        """Transitions stored."""
         return self.size
 
     def append(self, exp):
@@ -359,6 +365,7 @@ class RewardTracker:
                 "solved": self.solved}
 
     def __enter__(self):
+        """Use as a context manager, so that every way out ends in __exit__."""
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -382,6 +389,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """Bad input ends with one line and exit code 2, not a usage dump."""
 
     def error(self, message):
+        """Print one line and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
