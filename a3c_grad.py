@@ -77,6 +77,7 @@ if __name__ == "__main__":
     parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
     args, params, device = common.setup(parser)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
+    torch.set_num_threads(1)  # here only gradients are summed and applied: the cores are the workers'
     env = common.make_fast_env(params, 1)  # here only for its spaces: the workers play their own
     net = common.A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.a3c_learning_rate, eps=params.adam_eps)

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -111,12 +112,14 @@ def run_script(script, args, warmup):
     cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), "--env", args.env,
            "--max-frames", str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
     cmd += args.script_args.get(script, [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
-        time.sleep(0.5)
-    lines = proc.stdout.read().strip().splitlines()
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.5)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
     if proc.returncode != 0 or not lines:
         sys.exit(f"bench.py: error: {script} exited with code {proc.returncode}")
     summary = json.loads(lines[-1])

@@ -23,16 +23,29 @@ MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
 SCRIPTS = DQN_SCRIPTS + A3C_SCRIPTS
 A3C_TAGS = ["train/advantage", "train/values", "train/loss_entropy", "train/loss_policy", "train/loss_value",
             "train/loss_total", "train/grad_l2", "train/grad_max"]
+# only the first child crashes: the others go on feeding the queue, which must not hide the crash
 CRASH_HOOK = '''
 import multiprocessing
 import common
 _iter = common.ExperienceSourceFirstLast.__iter__
 def crashing_iter(self):
     for step, exps in enumerate(_iter(self)):
-        if step == 20 and multiprocessing.parent_process() is not None:
+        if step == 20 and multiprocessing.current_process().name in ("play process", "worker 0"):
             raise RuntimeError("injected crash")
         yield exps
 common.ExperienceSourceFirstLast.__iter__ = crashing_iter
+'''
+# the main process writes how many samples it drew from the replay buffer, in all, to $RL_TEST_SAMPLES
+SAMPLES_HOOK = '''
+import atexit, multiprocessing, os
+import common
+if multiprocessing.parent_process() is None:
+    _sample, drawn = common.ReplayBuffer.sample, []
+    def counting_sample(self, batch_size):
+        drawn.append(batch_size)
+        return _sample(self, batch_size)
+    common.ReplayBuffer.sample = counting_sample
+    atexit.register(lambda: open(os.environ["RL_TEST_SAMPLES"], "w").write(str(sum(drawn))))
 '''
 
 
@@ -93,7 +106,8 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="process chec
 
 # ---------------------------------------------------------------- bad input
 BAD_INPUT = [(["--env", "mars"], "invalid choice"), (["--max-frames", "-1"], "positive integer"),
-             (["--max-frames", "lots"], "positive integer"), (["--seed", "x"], "invalid int")]
+             (["--max-frames", "lots"], "positive integer"), (["--seed", "x"], "expected an integer"),
+             (["--seed", "-1"], "expected an integer"), (["--seed", str(2 ** 40)], "expected an integer")]
 BAD_INPUT += [] if torch.cuda.is_available() else [(["--cuda"], "no CUDA device")]
 
 
@@ -149,11 +163,17 @@ def test_learns_cartpole_within_budget(script, tmp_path):
 @pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
 def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     args = ["--env", "cartpole", "--max-frames", "3000"] + (["--envs", str(envs)] if envs > 1 else [])
-    code, out, err = run(script, *args, cwd=tmp_path)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SAMPLES_HOOK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]),
+               RL_TEST_SAMPLES=str(tmp_path / "samples"))
+    code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
     result, steps = summary(out), len(events(tmp_path)["train/loss"])
-    # each training step of 32 * envs samples comes with one step of all envs: envs frames,
-    # less the slots that only reset an env (at most one per finished episode)
+    samples = int((tmp_path / "samples").read_text())
+    assert samples == 32 * envs * steps           # every training step draws 32 * envs samples
+    # and comes with one step of all envs: envs frames, less the slots that only reset an env
+    # (at most one per finished episode)
     assert envs * steps - result["episodes"] - envs <= result["train_frames"] <= envs * steps
 
 
@@ -189,7 +209,8 @@ def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     env = dict(tagged_env(tag), PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
     code, out, err = run(script, "--env", "cartpole", cwd=tmp_path, env=env, timeout=120)
     assert code == 1
-    assert "RuntimeError: injected crash" in err and "exited with code 1" in err
+    child = "play process" if script == "dqn_mp" else "worker 0"
+    assert "RuntimeError: injected crash" in err and f"{child} exited with code 1" in err
     assert "frames" in summary(out)
     assert_none_left(tag)
 
