@@ -35,17 +35,22 @@ def crashing_iter(self):
         yield exps
 common.ExperienceSourceFirstLast.__iter__ = crashing_iter
 '''
-# the main process writes how many samples it drew from the replay buffer, in all, to $RL_TEST_SAMPLES
+# the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
+# every other Python process of the run (the play process, multiprocessing's resource tracker)
+# runs this hook too, and must not overwrite it
 SAMPLES_HOOK = '''
-import atexit, multiprocessing, os
+import atexit, os
 import common
-if multiprocessing.parent_process() is None:
-    _sample, drawn = common.ReplayBuffer.sample, []
-    def counting_sample(self, batch_size):
-        drawn.append(batch_size)
-        return _sample(self, batch_size)
-    common.ReplayBuffer.sample = counting_sample
-    atexit.register(lambda: open(os.environ["RL_TEST_SAMPLES"], "w").write(str(sum(drawn))))
+_sample, drawn = common.ReplayBuffer.sample, []
+def counting_sample(self, batch_size):
+    drawn.append(batch_size)
+    return _sample(self, batch_size)
+def write_total():
+    if drawn:
+        with open(os.environ["RL_TEST_SAMPLES"], "w") as f:
+            f.write(str(sum(drawn)))
+common.ReplayBuffer.sample = counting_sample
+atexit.register(write_total)
 '''
 
 
