@@ -85,6 +85,13 @@ def tagged_env(tag):
     return dict(os.environ, RL_TEST_TAG=tag)
 
 
+def hooked_env(tmp_path, hook, env=None):
+    """The environment (os.environ unless given) in which every Python process runs `hook` first."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
+    return dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+
+
 def tagged_pids(tag):
     """Live processes carrying the tag in their environment (Linux /proc)."""
     pids = []
@@ -168,10 +175,7 @@ def test_learns_cartpole_within_budget(script, tmp_path):
 @pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
 def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     args = ["--env", "cartpole", "--max-frames", "3000"] + (["--envs", str(envs)] if envs > 1 else [])
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(SAMPLES_HOOK)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]),
-               RL_TEST_SAMPLES=str(tmp_path / "samples"))
+    env = dict(hooked_env(tmp_path, SAMPLES_HOOK), RL_TEST_SAMPLES=str(tmp_path / "samples"))
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
     result, steps = summary(out), len(events(tmp_path)["train/loss"])
@@ -209,9 +213,7 @@ def test_sigint_stops_everything_with_a_summary(script, tmp_path):
 @pytest.mark.parametrize("script", MP_SCRIPTS)
 def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     tag = uuid.uuid4().hex
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(CRASH_HOOK)
-    env = dict(tagged_env(tag), PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+    env = hooked_env(tmp_path, CRASH_HOOK, tagged_env(tag))
     code, out, err = run(script, "--env", "cartpole", cwd=tmp_path, env=env, timeout=120)
     assert code == 1
     child = "play process" if script == "dqn_mp" else "worker 0"
