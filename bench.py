@@ -9,11 +9,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 import torch
 
+import a3c_data
 import common
+import dqn_fast
 
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "a3c_data", "a3c_grad"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,9 +33,9 @@ def timed_rate(step, items_per_step, seconds):
     return count * items_per_step / (time.perf_counter() - start)
 
 
-def env_ceiling(params, n_envs, seconds):
+def env_ceiling(env_name, n_envs, seconds):
     """Agent steps/s of the fast vector env alone, random actions."""
-    env = common.make_fast_env(params, n_envs)
+    env = common.make_fast_env(env_name, n_envs)
     env.reset(seed=0)
     actions = np.zeros(n_envs, dtype=np.int64)
 
@@ -44,9 +47,9 @@ def env_ceiling(params, n_envs, seconds):
     return rate
 
 
-def real_states(params, batch):
+def real_states(env_name, batch):
     """A batch of observations from the env under random actions."""
-    env = common.make_fast_env(params, 1)
+    env = common.make_fast_env(env_name, 1)
     states = [env.reset(seed=0)[0][0]]
     while len(states) < batch:
         states.append(env.step(np.array([env.single_action_space.sample()]))[0][0])
@@ -54,43 +57,43 @@ def real_states(params, batch):
     return np.stack(states)
 
 
-def dqn_ceiling(params, space, n_actions, device, seconds):
+def dqn_ceiling(env_name, space, n_actions, device, seconds):
     """Frames/s the DQN training step alone allows: samples/s at batch 32, divided by 32."""
-    from dqn_fast import calc_loss_dqn
-    net = common.DQN(space.shape, n_actions).to(device)
-    tgt_net = common.DQN(space.shape, n_actions).to(device)
+    params = types.SimpleNamespace(**dqn_fast.HYPERPARAMS[env_name])
+    net = dqn_fast.DQN(space.shape, n_actions).to(device)
+    tgt_net = dqn_fast.DQN(space.shape, n_actions).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
-    states = real_states(params, params.batch_size)
+    states = real_states(env_name, params.batch_size)
     batch = (states, np.random.randint(n_actions, size=params.batch_size),
              np.random.rand(params.batch_size).astype(np.float32),
              np.zeros(params.batch_size, dtype=bool), states)
 
     def step():
         optimizer.zero_grad()
-        calc_loss_dqn(batch, net, tgt_net, params.gamma, device).backward()
+        dqn_fast.calc_loss_dqn(batch, net, tgt_net, params.gamma, device).backward()
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     return timed_rate(step, params.batch_size, seconds) / params.batch_size
 
 
-def a2c_ceiling(params, space, n_actions, device, seconds):
+def a2c_ceiling(env_name, space, n_actions, device, seconds):
     """Samples/s of the A2C training step alone, at the learner's batch size (128 for Pong)."""
-    from a3c_data import calc_loss_a2c
-    net = common.A2C(space.shape, n_actions).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.a3c_learning_rate, eps=params.adam_eps)
-    states = torch.as_tensor(real_states(params, params.a3c_batch), device=device)
-    actions = torch.randint(n_actions, (params.a3c_batch,), device=device)
-    ref_vals = torch.randn(params.a3c_batch, device=device)
+    params = types.SimpleNamespace(**a3c_data.HYPERPARAMS[env_name])
+    net = a3c_data.A2C(space.shape, n_actions).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    states = torch.as_tensor(real_states(env_name, params.batch_size), device=device)
+    actions = torch.randint(n_actions, (params.batch_size,), device=device)
+    ref_vals = torch.randn(params.batch_size, device=device)
 
     def step():
         optimizer.zero_grad()
-        calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)[0].backward()
+        a3c_data.calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)[0].backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return timed_rate(step, params.a3c_batch, seconds)
+    return timed_rate(step, params.batch_size, seconds)
 
 
 def tree_rss(pid):
@@ -130,7 +133,7 @@ def run_script(script, args, warmup):
 def main():
     """Measure the ceilings, run the scripts, print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--env", choices=sorted(common.PRESETS), default="pong")
+    parser.add_argument("--env", choices=sorted(common.ENV_IDS), default="pong")
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--frames", type=common.positive_int, default=3000,
                         help="training frames per script, after its warm-up (default: 3000)")
@@ -142,20 +145,19 @@ def main():
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
     device = torch.device("cuda" if args.cuda else "cpu")
-    params = common.PRESETS[args.env]
     args.script_args = {s: [] for s in SCRIPTS}
     for script in SCRIPTS[1:]:
         args.script_args[script] += ["--envs", str(args.envs)] if args.envs else []
     for script in ["a3c_data", "a3c_grad"]:
         args.script_args[script] += ["--processes", str(args.processes)] if args.processes else []
 
-    env = common.make_fast_env(params, 1)
+    env = common.make_fast_env(args.env, 1)
     space, n_actions = env.single_observation_space, env.single_action_space.n
     env.close()
     ceilings = {
-        "env": env_ceiling(params, 8, args.seconds),
-        "DQN net": dqn_ceiling(params, space, n_actions, device, args.seconds),
-        "A2C net": a2c_ceiling(params, space, n_actions, device, args.seconds),
+        "env": env_ceiling(args.env, 8, args.seconds),
+        "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
+        "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if args.cuda:
@@ -171,7 +173,7 @@ def main():
         path = os.path.join(HERE, f"{script}.py")
         if not os.path.exists(path):
             continue
-        warmup = params.replay_start if script.startswith("dqn") else 0
+        warmup = dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
         summary = run_script(script, args, warmup)
         bound = "DQN net" if script.startswith("dqn") else "A2C net"
         bound = min([bound, "env"], key=ceilings.get)

@@ -1,9 +1,9 @@
-"""What every script shares: presets, env makers, networks, the n-step experience source,
-the replay buffer, batch unpacking, reward tracking and the command line."""
+"""What every script shares: the env makers and wrappers, the n-step experience source, the replay
+buffer, batch unpacking, reward tracking, the command line and the child processes. What a user
+changes when copying a script (hyperparameters, network, loss, agent) lives in the script."""
 import argparse
 import collections
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -11,62 +11,23 @@ import queue
 import signal
 import sys
 import time
+import types
 
 import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
-import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 
 gym.register_envs(ale_py)
 
 
-# ---------------------------------------------------------------- presets
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    env_id: str
-    stop_reward: float            # solved when the mean of the last 100 episodes reaches this
-    gamma: float = 0.99
-    # DQN
-    learning_rate: float = 1e-4
-    batch_size: int = 32
-    replay_size: int = 100_000
-    replay_start: int = 10_000    # frames played before the first training step
-    target_sync: int = 1_000      # training steps between target network syncs
-    epsilon_start: float = 1.0
-    epsilon_final: float = 0.02
-    epsilon_frames: int = 100_000
-    # A3C
-    a3c_learning_rate: float = 1e-3
-    adam_eps: float = 1e-3
-    entropy_beta: float = 0.01
-    reward_steps: int = 4         # n of the n-step reference values
-    clip_grad: float = 0.1        # max L2 norm of the gradient
-    processes: int = 4
-    envs: int = 8                 # envs per worker process
-    micro_batch: int = 32         # a3c_data: samples per worker message
-    a3c_batch: int = 128          # a3c_data: samples per training step
-    grad_batch: int = 64          # a3c_grad: samples per worker gradient
-    grads_per_step: int = 2       # a3c_grad: worker gradients summed per optimizer step
-
-    def epsilon(self, frames):
-        """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames."""
-        fraction = min(frames / self.epsilon_frames, 1.0)
-        return self.epsilon_start + fraction * (self.epsilon_final - self.epsilon_start)
-
-
-PRESETS = {
-    # A3C lr 3e-3, not the book's 1e-3: with 1e-3, a3c_data was still at -20.15 after 2.2M frames;
-    # with 3e-3 it reached -16.7 at 1.75M and -5.6 at 2.25M (README, Results)
-    "pong": Preset(env_id="PongNoFrameskip-v4", stop_reward=18.0, a3c_learning_rate=3e-3),
-    "cartpole": Preset(env_id="CartPole-v1", stop_reward=195.0, learning_rate=1e-3,
-                       replay_size=10_000, replay_start=1_000, target_sync=200,
-                       epsilon_frames=5_000),
-}
-
-
 # ---------------------------------------------------------------- environments
+# the envs every script knows: their gymnasium ids, and the mean reward of 100 episodes that solves them
+ENV_IDS = {"pong": "PongNoFrameskip-v4", "cartpole": "CartPole-v1"}
+STOP_REWARDS = {"pong": 18.0, "cartpole": 195.0}
+
+
 class FireOnReset(gym.Wrapper):
     """Press FIRE for one emulator frame after reset, as ale-py's vector env does."""
 
@@ -79,88 +40,33 @@ class FireOnReset(gym.Wrapper):
         return obs, info
 
 
-def atari_game(env_id):
-    """The ALE game name of an Atari env id ("pong"), or None for other envs."""
-    return gym.spec(env_id).kwargs.get("game")
+def atari_game(env):
+    """The ALE game name of an env ("pong"), or None for other envs."""
+    return gym.spec(ENV_IDS[env]).kwargs.get("game")
 
 
-def make_classic_env(params, n_envs=1, noop_max=30):
+def make_classic_env(env, n_envs=1, noop_max=30):
     """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
     def make_one():
         """One env with the Atari wrappers where the game needs them."""
-        env = gym.make(params.env_id)
-        if atari_game(params.env_id):
-            if "FIRE" in env.unwrapped.get_action_meanings():
-                env = FireOnReset(env)
-            env = gym.wrappers.AtariPreprocessing(env, noop_max=noop_max, frame_skip=4)
-            env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
-        return env
+        one = gym.make(ENV_IDS[env])
+        if atari_game(env):
+            if "FIRE" in one.unwrapped.get_action_meanings():
+                one = FireOnReset(one)
+            one = gym.wrappers.AtariPreprocessing(one, noop_max=noop_max, frame_skip=4)
+            one = gym.wrappers.FrameStackObservation(one, 4, padding_type="zero")
+        return one
     return gym.vector.SyncVectorEnv([make_one] * n_envs)
 
 
-def make_fast_env(params, n_envs=1, threads=0, noop_max=30):
+def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
     """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else SyncVectorEnv."""
-    game = atari_game(params.env_id)
+    game = atari_game(env)
     if game is None:
-        return make_classic_env(params, n_envs)
+        return make_classic_env(env, n_envs)
     return ale_py.vector_env.AtariVectorEnv(
         game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=4, stack_num=4,
         repeat_action_probability=0.0, reward_clipping=False)
-
-
-# ---------------------------------------------------------------- networks
-def make_body(obs_shape):
-    """Feature extractor picked from the observation shape: Nature DQN convs for frames, else an MLP."""
-    if len(obs_shape) == 3:
-        body = nn.Sequential(
-            nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
-            nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
-            nn.Flatten())
-        hidden = 512
-    else:
-        body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
-        hidden = 128
-    features = body(torch.zeros(1, *obs_shape)).shape[1]
-    return body, features, hidden
-
-
-def make_head(features, hidden, outputs):
-    """One fully connected hidden layer, then the outputs."""
-    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
-
-
-def as_float(x):
-    """Frames stay uint8 until here; the network scales them to [0, 1]."""
-    return x.float() / 255 if x.dtype == torch.uint8 else x
-
-
-class DQN(nn.Module):
-    """Q-values of every action."""
-
-    def __init__(self, obs_shape, n_actions):
-        super().__init__()
-        self.body, features, hidden = make_body(obs_shape)
-        self.head = make_head(features, hidden, n_actions)
-
-    def forward(self, x):
-        """Q-values [batch, n_actions] for a batch of observations."""
-        return self.head(self.body(as_float(x)))
-
-
-class A2C(nn.Module):
-    """Policy logits and state value from one shared body."""
-
-    def __init__(self, obs_shape, n_actions):
-        super().__init__()
-        self.body, features, hidden = make_body(obs_shape)
-        self.policy = make_head(features, hidden, n_actions)
-        self.value = make_head(features, hidden, 1)
-
-    def forward(self, x):
-        """Policy logits [batch, n_actions] and state values [batch]."""
-        features = self.body(as_float(x))
-        return self.policy(features), self.value(features).squeeze(-1)
 
 
 # ---------------------------------------------------------------- experience
@@ -300,12 +206,13 @@ class RewardTracker:
     """Owns the TensorBoard writer: records episodes and training scalars against frames, prints
     progress, decides when to stop, keeps the best model and prints the final JSON summary."""
 
-    def __init__(self, args, params, net):
+    def __init__(self, args, net):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = "-".join(filter(None, [args.script, args.env, args.name, stamp]))
         self.log_dir = os.path.join("runs", name)
         self.writer = SummaryWriter(self.log_dir)
-        self.args, self.params, self.net = args, params, net
+        self.args, self.net = args, net
+        self.stop_reward = STOP_REWARDS[args.env]
         self.rewards = collections.deque(maxlen=100)
         self.losses = collections.deque(maxlen=100)
         self.frames = self.episodes = 0
@@ -333,7 +240,7 @@ class RewardTracker:
         if full and (self.best_mean is None or mean > self.best_mean):
             self.best_mean = mean
             self.save_model()
-        self.solved = self.solved or (full and mean >= self.params.stop_reward)
+        self.solved = self.solved or (full and mean >= self.stop_reward)
         now = time.perf_counter()
         if now - self.last_print[1] >= 1.0 or self.solved:
             fps = (self.frames - self.last_print[0]) / (now - self.last_print[1])
@@ -425,7 +332,7 @@ def seed_int(text):
 def argument_parser(description):
     """The options every script takes; scripts add their own."""
     parser = ArgumentParser(description=description)
-    parser.add_argument("--env", choices=sorted(PRESETS), default="pong", help="preset (default: pong)")
+    parser.add_argument("--env", choices=sorted(ENV_IDS), default="pong", help="env (default: pong)")
     parser.add_argument("--cuda", action="store_true", help="train on the GPU")
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     parser.add_argument("-n", "--name", default="", help="suffix of the run name in runs/")
@@ -433,8 +340,9 @@ def argument_parser(description):
     return parser
 
 
-def setup(parser):
-    """Parse and check the command line, seed the generators; returns args, preset and device."""
+def setup(parser, hyperparams):
+    """Parse and check the command line, seed the generators; returns args, the env's
+    hyperparameters (from the script's table, as attributes) and the device."""
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
@@ -442,7 +350,8 @@ def setup(parser):
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    return args, PRESETS[args.env], torch.device("cuda" if args.cuda else "cpu")
+    params = types.SimpleNamespace(**hyperparams[args.env])
+    return args, params, torch.device("cuda" if args.cuda else "cpu")
 
 
 # ---------------------------------------------------------------- child processes

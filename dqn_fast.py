@@ -6,10 +6,57 @@ import sys
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import common
 
+# ---------------------------------------------------------------- hyperparameters
+PONG = dict(
+    gamma=0.99,
+    learning_rate=1e-4,
+    batch_size=32,
+    replay_size=100_000,
+    replay_start=10_000,      # frames played before the first training step
+    target_sync=1_000,        # training steps between target net syncs
+    epsilon_start=1.0,
+    epsilon_final=0.02,
+    epsilon_frames=100_000,   # frames over which epsilon falls linearly to its final value
+)
+CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
+                epsilon_frames=5_000)   # learns in a minute
+HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
+
+
+# ---------------------------------------------------------------- network, agent, loss
+class DQN(nn.Module):
+    """Q-values of every action: the Nature DQN convolutions for frames, a small MLP for vectors."""
+
+    def __init__(self, obs_shape, n_actions):
+        super().__init__()
+        if len(obs_shape) == 3:
+            self.body = nn.Sequential(
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
+                nn.Flatten())
+            hidden = 512
+        else:
+            self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
+            hidden = 128
+        features = self.body(torch.zeros(1, *obs_shape)).shape[1]
+        self.head = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, n_actions))
+
+    def forward(self, x):
+        """Q-values [batch, n_actions] for a batch of observations."""
+        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        return self.head(self.body(x))
+
+
+def epsilon_by_frame(params, frames):
+    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then flat."""
+    fraction = min(frames / params.epsilon_frames, 1.0)
+    return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 @torch.no_grad()  # acting needs no graph
 def select_actions(net, states, epsilon, device):
@@ -34,22 +81,22 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
     parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = common.setup(parser)
-    env = common.make_fast_env(params, args.envs)
-    net = common.DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    args, params, device = common.setup(parser, HYPERPARAMS)
+    env = common.make_fast_env(args.env, args.envs)
+    net = DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
-    epsilon = params.epsilon(0)
+    epsilon = epsilon_by_frame(params, 0)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     train_steps = 0
 
-    with common.RewardTracker(args, params, net) as tracker:
+    with common.RewardTracker(args, net) as tracker:
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)
-            epsilon = params.epsilon(exp_source.frames)
+            epsilon = epsilon_by_frame(params, exp_source.frames)
             if tracker.update(exp_source.frames, exp_source.pop_episodes()):
                 break
             if len(buffer) < params.replay_start:

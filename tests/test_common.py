@@ -245,14 +245,6 @@ def test_replay_terminal_stacked_experience_is_done_with_zero_newest_frame():
     np.testing.assert_array_equal(last_states[0, 3], np.zeros((84, 84), dtype=np.uint8))
 
 
-def test_pong_replay_buffer_fits_in_memory():
-    params = common.PRESETS["pong"]
-    buffer = common.ReplayBuffer(params.replay_size, gym.spaces.Box(0, 255, (4, 84, 84), np.uint8))
-    arrays = [buffer.states, buffer.last_states, buffer.actions, buffer.rewards, buffer.dones]
-    # 100k states of 4 * 84 * 84 bytes (2.63 GiB) plus only the newest frame of each next state
-    assert sum(a.nbytes for a in arrays) < 3.3 * 2 ** 30
-
-
 def test_replay_overwrites_oldest_when_over_capacity():
     buffer = common.ReplayBuffer(3, VECTOR_SPACE, seed=0)
     for value in range(1, 6):      # 1, 2, 3, then 4 and 5 replace 1 and 2
@@ -321,34 +313,10 @@ def test_unpack_batch_a2c_all_terminated_needs_no_net():
     assert ref_vals.tolist() == [3.0]
 
 
-# ---------------------------------------------------------------- networks
-@pytest.mark.parametrize("obs_shape, dtype", [((4, 84, 84), torch.uint8), ((4,), torch.float32)])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_network_output_shapes(obs_shape, dtype, batch):
-    x = torch.zeros(batch, *obs_shape, dtype=dtype)
-    with torch.no_grad():
-        q_vals = common.DQN(obs_shape, 6)(x)
-        logits, value = common.A2C(obs_shape, 6)(x)
-    assert q_vals.shape == (batch, 6)
-    assert logits.shape == (batch, 6)
-    assert value.shape == (batch,)
-    assert q_vals.dtype == logits.dtype == value.dtype == torch.float32
-
-
-# ---------------------------------------------------------------- presets
-def test_pong_epsilon_decays_linearly_then_stays():
-    params = common.PRESETS["pong"]
-    assert params.epsilon(0) == 1.0
-    assert params.epsilon(50_000) == pytest.approx(0.51)      # 1 + 0.5 * (0.02 - 1)
-    assert params.epsilon(100_000) == pytest.approx(0.02)
-    assert params.epsilon(1_000_000) == pytest.approx(0.02)
-
-
 # ---------------------------------------------------------------- Atari pipelines
 def test_classic_and_fast_atari_pipelines_give_identical_observations():
-    params = common.PRESETS["pong"]
-    classic = common.make_classic_env(params, 1, noop_max=0)
-    fast = common.make_fast_env(params, 1, threads=1, noop_max=0)
+    classic = common.make_classic_env("pong", 1, noop_max=0)
+    fast = common.make_fast_env("pong", 1, threads=1, noop_max=0)
     try:
         obs_classic, _ = classic.reset(seed=42)
         obs_fast, _ = fast.reset(seed=42)
@@ -373,8 +341,8 @@ def fake_args(max_frames=None):
 
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    params = common.PRESETS["pong"]                       # stop_reward 18
-    with common.RewardTracker(fake_args(), params, nn.Linear(2, 1)) as tracker:
+    assert common.STOP_REWARDS["pong"] == 18
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
         assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
         assert not tracker.solved
         assert tracker.update(20, [(21.0, 100)])            # the 100th
@@ -383,7 +351,7 @@ def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeyp
 
 def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
         assert not tracker.update(10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
         # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
         assert not tracker.update(20, [(19.0, 100)] * 49)
@@ -392,7 +360,7 @@ def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
 
 def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
         tracker.update(1, [(18.0, 1)] * 99)
         # the 100th episode solves it; the one after drops the mean below 18 again
         assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
@@ -400,17 +368,17 @@ def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
 
 def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(max_frames=1000), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1)) as tracker:
         assert not tracker.update(999, [])
         assert tracker.update(1000, [])
-    with common.RewardTracker(fake_args(), common.PRESETS["pong"], nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
         assert not tracker.update(10 ** 9, [])                 # no limit
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with common.RewardTracker(fake_args(), common.PRESETS["pong"], net) as tracker:
+    with common.RewardTracker(fake_args(), net) as tracker:
         tracker.update(100, [(-21.0, 800)])
         tracker.train(loss=0.5)
         tracker.update(200, [(-19.0, 900)])

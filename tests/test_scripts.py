@@ -7,15 +7,14 @@ import sys
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import a3c_grad  # noqa: E402
 import common  # noqa: E402
+import dqn_fast  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
@@ -143,7 +142,7 @@ def test_bad_counts_end_with_one_line_and_exit_code_2(script, option, tmp_path):
 # ---------------------------------------------------------------- Pong, tiny budget
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_runs_on_pong_with_optimizer_steps_and_logs(script, tmp_path):
-    warmup = common.PRESETS["pong"].replay_start if script in DQN_SCRIPTS else 0
+    warmup = dqn_fast.HYPERPARAMS["pong"]["replay_start"] if script in DQN_SCRIPTS else 0
     code, out, err = run(script, "--max-frames", str(warmup + 600), "--envs", "3", cwd=tmp_path) \
         if script != "dqn_baseline" else run(script, "--max-frames", str(warmup + 100), cwd=tmp_path)
     assert code == 0, err
@@ -169,7 +168,7 @@ def test_learns_cartpole_within_budget(script, tmp_path):
     assert code == 0, err
     result = summary(out)
     assert result["solved"], result
-    assert result["mean_reward"] >= common.PRESETS["cartpole"].stop_reward
+    assert result["mean_reward"] >= common.STOP_REWARDS["cartpole"]
 
 
 @pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
@@ -220,31 +219,3 @@ def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     assert "RuntimeError: injected crash" in err and f"{child} exited with code 1" in err
     assert "frames" in summary(out)
     assert_none_left(tag)
-
-
-# ---------------------------------------------------------------- a3c_grad plumbing
-def test_a3c_grad_applies_the_sum_of_worker_gradients():
-    net = torch.nn.Linear(2, 1)
-    net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
-    worker_1 = [np.array([[1.0, 2.0]], dtype=np.float32), np.array([3.0], dtype=np.float32)]
-    worker_2 = [np.array([[10.0, 20.0]], dtype=np.float32), np.array([30.0], dtype=np.float32)]
-    a3c_grad.sum_grads(net, [worker_1, worker_2], "cpu")
-    assert net.weight.grad.tolist() == [[11.0, 22.0]]
-    assert net.bias.grad.tolist() == [33.0]
-
-
-def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losses():
-    torch.manual_seed(0)
-    net = common.A2C((4,), 2)
-    batches = [(torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1]), torch.randn(5)) for _ in range(2)]
-    sent = []
-    for states, actions, ref_vals in batches:          # what each worker does
-        net.zero_grad()
-        a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
-        sent.append([p.grad.numpy().copy() for p in net.parameters()])
-    a3c_grad.sum_grads(net, sent, "cpu")
-    applied = [p.grad.clone() for p in net.parameters()]
-    net.zero_grad()
-    sum(a3c_grad.calc_loss_a2c(net, *batch, 0.01)[0] for batch in batches).backward()
-    for got, expected in zip(applied, net.parameters()):
-        torch.testing.assert_close(got, expected.grad)
