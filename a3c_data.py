@@ -6,12 +6,10 @@ that very network, so workers see every update at once; with --cuda the learner 
 and copies the weights into the shared CPU network after every step), and numpy arrays through
 the queue. Workers act on the CPU, one thread each; no GPU tensor ever leaves the learner."""
 import copy
-import signal
 import sys
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -84,10 +82,9 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def data_func(params, args, net, train_queue, worker_id):
+def data_func(params, args, net, worker_id, send):
     """Worker process: play its envs with the shared net, send n-step samples in micro-batches."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)                       # one core per worker
+    torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
@@ -101,8 +98,7 @@ def data_func(params, args, net, train_queue, worker_id):
         states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, "cpu", params.gamma)
         micro_batch.clear()
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        common.queue_put(train_queue, (states.numpy(), actions.numpy(), ref_vals.numpy(),
-                                       new_frames, exp_source.pop_episodes()))
+        send((states.numpy(), actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
 
 
 if __name__ == "__main__":
@@ -116,14 +112,11 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
     shared_net.share_memory()
-    train_queue = mp.get_context("spawn").Queue(maxsize=args.processes)
-    workers = [mp.get_context("spawn").Process(
-        target=data_func, args=(params, args, shared_net, train_queue, i), name=f"worker {i}")
-        for i in range(args.processes)]
+    workers = {f"worker {i}": (params, args, shared_net, i) for i in range(args.processes)}
     batch, frames = [], 0
 
-    with common.RewardTracker(args, net) as tracker, common.child_processes(workers):
-        for states, actions, ref_vals, new_frames, episodes in common.queue_items(train_queue, workers):
+    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(data_func, workers) as train_queue:
+        for states, actions, ref_vals, new_frames, episodes in train_queue:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break

@@ -8,12 +8,10 @@ and copies the weights into the shared CPU network after every step), and numpy 
 the queue. Workers play and backpropagate on the CPU, one thread each; no GPU tensor ever leaves
 the main process."""
 import copy
-import signal
 import sys
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -86,10 +84,9 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, net, train_queue, worker_id):
+def grads_func(params, args, net, worker_id, send):
     """Worker process: play its envs with the shared net, send the gradient of each batch."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)                       # one core per worker
+    torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
@@ -108,7 +105,7 @@ def grads_func(params, args, net, train_queue, worker_id):
         grads = [p.grad.numpy() for p in net.parameters()]
         stats = {k: v.item() for k, v in stats.items()}
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        common.queue_put(train_queue, (grads, stats, new_frames, exp_source.pop_episodes()))
+        send((grads, stats, new_frames, exp_source.pop_episodes()))
 
 
 def sum_grads(net, grads_list, device):
@@ -129,14 +126,11 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
     shared_net.share_memory()
-    train_queue = mp.get_context("spawn").Queue(maxsize=args.processes)
-    workers = [mp.get_context("spawn").Process(
-        target=grads_func, args=(params, args, shared_net, train_queue, i), name=f"worker {i}")
-        for i in range(args.processes)]
+    workers = {f"worker {i}": (params, args, shared_net, i) for i in range(args.processes)}
     grads_list, frames = [], 0
 
-    with common.RewardTracker(args, net) as tracker, common.child_processes(workers):
-        for grads, stats, new_frames, episodes in common.queue_items(train_queue, workers):
+    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
+        for grads, stats, new_frames, episodes in train_queue:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break

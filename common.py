@@ -3,11 +3,9 @@ buffer, batch unpacking, reward tracking, the command line and the child process
 changes when copying a script (hyperparameters, network, loss, agent) lives in the script."""
 import argparse
 import collections
-import contextlib
 import json
-import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import signal
 import sys
 import time
@@ -28,15 +26,24 @@ ENV_IDS = {"pong": "PongNoFrameskip-v4", "cartpole": "CartPole-v1"}
 STOP_REWARDS = {"pong": 18.0, "cartpole": 195.0}
 
 
-class FireOnReset(gym.Wrapper):
-    """Press FIRE for one emulator frame after reset, as ale-py's vector env does."""
+class FireAndNoopsOnReset(gym.Wrapper):
+    """Start an episode as ale-py's vector env does: FIRE for one frame where the game has it, then
+    k no-op frames, k drawn from 0 to noop_max - 1 less one for the FIRE (so 0 to 28 for Pong and
+    noop_max 30, with 0 twice as likely). gymnasium's AtariPreprocessing would draw 1 to 30."""
+
+    def __init__(self, env, noop_max):
+        super().__init__(env)
+        self.noop_max = noop_max
+        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
 
     def reset(self, **kwargs):
-        """Reset, then FIRE once; a game that ends on that frame is reset again."""
-        self.env.reset(**kwargs)
-        obs, _, terminated, truncated, info = self.env.step(1)
-        if terminated or truncated:
-            obs, info = self.env.reset(**kwargs)
+        """Reset, FIRE, then the no-ops; a game that ends on one of those frames is reset again."""
+        obs, info = self.env.reset(**kwargs)
+        noops = self.np_random.integers(max(self.noop_max, 1)) - self.fire
+        for action in [1] * self.fire + [0] * noops:
+            obs, _, terminated, truncated, info = self.env.step(action)
+            if terminated or truncated:
+                obs, info = self.env.reset()
         return obs, info
 
 
@@ -51,9 +58,8 @@ def make_classic_env(env, n_envs=1, noop_max=30):
         """One env with the Atari wrappers where the game needs them."""
         one = gym.make(ENV_IDS[env])
         if atari_game(env):
-            if "FIRE" in one.unwrapped.get_action_meanings():
-                one = FireOnReset(one)
-            one = gym.wrappers.AtariPreprocessing(one, noop_max=noop_max, frame_skip=4)
+            one = FireAndNoopsOnReset(one, noop_max)
+            one = gym.wrappers.AtariPreprocessing(one, noop_max=0, frame_skip=4)
             one = gym.wrappers.FrameStackObservation(one, 4, padding_type="zero")
         return one
     return gym.vector.SyncVectorEnv([make_one] * n_envs)
@@ -355,43 +361,74 @@ def setup(parser, hyperparams):
 
 
 # ---------------------------------------------------------------- child processes
-def queue_put(data_queue, item):
-    """Put from a child process; waits while the queue is full, but exits once the parent is gone."""
-    while True:
+class ChildProcesses:
+    """Children started with spawn, each running target(*args, send) with a pipe of its own to this
+    process. Iterating yields what they send, and raises ChildProcessError within a second of any
+    child's death, however it died: a writer killed mid-message gives EOF on its own pipe, never a
+    reader that waits forever. Leaving the with-block stops them all: none is left behind."""
+
+    def __init__(self, target, children):
+        """children: {name: args} for each child process."""
+        ctx = torch.multiprocessing.get_context("spawn")   # CUDA needs spawn; macOS and Windows use it
+        self.procs, self.readers, self.writers = [], [], []
+        for name, args in children.items():
+            reader, writer = ctx.Pipe(duplex=False)
+            self.procs.append(ctx.Process(target=_child_main, args=(target, args, writer), name=name,
+                                          daemon=True))   # ended at exit even if a later start fails
+            self.readers.append(reader)
+            self.writers.append(writer)
+
+    def __enter__(self):
+        """Start the children with Ctrl-C ignored, which they inherit (on POSIX): a terminal sends it
+        to the whole process group, and the run must stop through this process alone, also while the
+        children import. A Ctrl-C in the milliseconds that start() takes is lost: press it again."""
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            return data_queue.put(item, timeout=1.0)
-        except queue.Full:
-            if not multiprocessing.parent_process().is_alive():
-                data_queue.cancel_join_thread()  # nobody will read what is still buffered
-                sys.exit(1)
+            for proc, writer in zip(self.procs, self.writers):
+                proc.start()
+                writer.close()   # now the child holds the only write end: its death gives EOF here
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        return self
 
+    def __iter__(self):
+        """What the children send, in the order it arrives, forever."""
+        sentinels = {proc.sentinel: proc for proc in self.procs}
+        owners = dict(zip(self.readers, self.procs))
+        while True:
+            for ready in multiprocessing.connection.wait(self.readers + list(sentinels), timeout=1.0):
+                if ready in sentinels:
+                    self._died(sentinels[ready])
+                try:
+                    yield ready.recv()
+                except (EOFError, OSError):   # the writer is gone, between messages or in the middle of one
+                    self._died(owners[ready])
 
-def queue_items(data_queue, processes):
-    """Items from the queue, forever; raises ChildProcessError as soon as any child has died,
-    even while the others keep the queue full."""
-    while True:
-        for proc in processes:
-            if proc.exitcode is not None:
-                raise ChildProcessError(f"{proc.name} exited with code {proc.exitcode}")
-        try:
-            yield data_queue.get(timeout=1.0)
-        except queue.Empty:
-            pass
+    @staticmethod
+    def _died(proc):
+        """Raise the error that names a dead child and its exit code."""
+        proc.join(timeout=5)
+        code = proc.exitcode
+        signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+        raise ChildProcessError(f"{proc.name} exited with code {code}{signame}")
 
-
-@contextlib.contextmanager
-def child_processes(processes):
-    """Start the children; on leaving, for any reason, terminate them and wait: none is left behind."""
-    for proc in processes:
-        proc.daemon = True  # ended at exit even if starting the others fails (Ctrl-C, say)
-        proc.start()
-    try:
-        yield
-    finally:
-        for proc in processes:
+    def __exit__(self, *exc):
+        """Terminate the children and wait for them; kill those that do not end."""
+        for proc in self.procs:
             proc.terminate()
-        for proc in processes:
+        for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for reader in self.readers:
+            reader.close()
+
+
+def _child_main(target, args, writer):
+    """What a child runs: the script's target, sending through its own pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # on Windows too, where it is not inherited
+    try:
+        target(*args, writer.send)
+    except BrokenPipeError:   # the main process is gone: nobody is left to send to
+        sys.exit(1)

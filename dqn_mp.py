@@ -1,16 +1,14 @@
 #!/usr/bin/env python3
-"""DQN on Pong, faster still: a child process plays, the main process trains, joined by a queue.
+"""DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
 
 What crosses the process boundary: the play network's weights, in shared CPU memory (on CPU it
 is the trained network itself; with --cuda a CPU copy refreshed after every training step), and
-numpy experience through the queue. Nothing on the GPU is shared."""
+numpy experience through the pipe. Nothing on the GPU is shared."""
 import copy
-import signal
 import sys
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -31,7 +29,6 @@ PONG = dict(
 CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
                 epsilon_frames=5_000)   # learns in a minute
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
-QUEUE_SIZE = 8  # vector steps that play may run ahead of training
 
 
 # ---------------------------------------------------------------- network, agent, loss
@@ -85,18 +82,18 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
-def play_func(params, args, net, exp_queue):
-    """Child process: play the envs with the shared net and put every step's experience on the queue."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)                       # the cores belong to the learner and the envs
+def play_func(params, args, net, send):
+    """Child process: play the envs with the shared net and send every step's experience."""
+    torch.set_num_threads(1)   # the cores belong to the learner and the envs
+    np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     env = common.make_fast_env(args.env, args.envs)
     epsilon = epsilon_by_frame(params, 0)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, epsilon, "cpu"), params.gamma, seed=args.seed)
     for exps in exp_source:
         epsilon = epsilon_by_frame(params, exp_source.frames)
-        # blocks while the queue is full, so play never runs further ahead than QUEUE_SIZE steps
-        common.queue_put(exp_queue, (exps, exp_source.frames, exp_source.pop_episodes()))
+        # blocks until the learner reads it, so play runs at most one step ahead of training
+        send((exps, exp_source.frames, exp_source.pop_episodes()))
 
 
 if __name__ == "__main__":
@@ -110,13 +107,11 @@ if __name__ == "__main__":
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     play_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
     play_net.share_memory()
-    exp_queue = mp.get_context("spawn").Queue(maxsize=QUEUE_SIZE)
-    play_proc = mp.get_context("spawn").Process(
-        target=play_func, args=(params, args, play_net, exp_queue), name="play process")
+    children = {"play process": (params, args, play_net)}
     train_steps = 0
 
-    with common.RewardTracker(args, net) as tracker, common.child_processes([play_proc]):
-        for exps, frames, episodes in common.queue_items(exp_queue, [play_proc]):
+    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(play_func, children) as exp_queue:
+        for exps, frames, episodes in exp_queue:
             for exp in exps:
                 buffer.append(exp)
             epsilon = epsilon_by_frame(params, frames)

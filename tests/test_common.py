@@ -1,4 +1,5 @@
 """Unit tests of common.py: inputs built by hand, expected values worked out by hand."""
+import collections
 import json
 import os
 import pathlib
@@ -334,6 +335,26 @@ def test_classic_and_fast_atari_pipelines_give_identical_observations():
         fast.close()
 
 
+def test_classic_and_fast_atari_pipelines_start_episodes_alike():
+    # frames played before the first observation: FIRE, then 0 to 28 no-ops, 0 twice as likely
+    classic = common.make_classic_env("pong", 1)
+    fast = common.make_fast_env("pong", 1, threads=1)
+    counts = {"classic": collections.Counter(), "fast": collections.Counter()}
+    try:
+        classic.reset(seed=0)
+        fast.reset(seed=0)
+        for _ in range(600):
+            classic.reset()
+            counts["classic"][classic.envs[0].unwrapped.ale.getEpisodeFrameNumber()] += 1
+            counts["fast"][int(fast.reset()[1]["episode_frame_number"][0])] += 1
+    finally:
+        classic.close()
+        fast.close()
+    for name, count in counts.items():
+        assert set(count) == set(range(1, 30)), name
+        assert 20 <= count[1] <= 70, name        # expected 600 * 2 / 30 = 40; any other value 20
+
+
 # ---------------------------------------------------------------- RewardTracker
 def fake_args(max_frames=None):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames)
@@ -373,6 +394,24 @@ def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
         assert tracker.update(1000, [])
     with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
         assert not tracker.update(10 ** 9, [])                 # no limit
+
+
+def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    net = nn.Linear(2, 1)
+    with common.RewardTracker(fake_args(), net) as tracker:
+        best_path = tmp_path / tracker.log_dir / "best.pt"
+        tracker.update(10, [(-20.0, 1)] * 99)
+        assert not best_path.exists()                         # no full window yet
+        tracker.update(20, [(-20.0, 1)])
+        first = {k: v.clone() for k, v in net.state_dict().items()}
+        assert torch.equal(torch.load(best_path)["weight"], first["weight"])
+        with torch.no_grad():
+            net.weight += 1
+        tracker.update(30, [(-21.0, 1)])                      # a worse mean: best.pt stays
+        assert torch.equal(torch.load(best_path)["weight"], first["weight"])
+        tracker.update(40, [(21.0, 1)])                       # a better one: best.pt follows the net
+        assert torch.equal(torch.load(best_path)["weight"], net.weight)
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):

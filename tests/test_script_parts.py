@@ -18,6 +18,7 @@ import dqn_fast  # noqa: E402
 import dqn_mp  # noqa: E402
 
 DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp]
+GAMMA = 0.5
 A3C_MODULES = [a3c_data, a3c_grad]
 
 
@@ -103,3 +104,79 @@ def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losse
     sum(a3c_grad.calc_loss_a2c(net, *batch, 0.01)[0] for batch in batches).backward()
     for got, expected in zip(applied, net.parameters()):
         torch.testing.assert_close(got, expected.grad)
+
+
+# ---------------------------------------------------------------- losses
+class LinearQ(torch.nn.Module):
+    """Q-values = state @ table: one-hot states pick a row of the table."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.tensor(table))
+
+    def forward(self, x):
+        return x @ self.table
+
+
+@pytest.mark.parametrize("module", DQN_MODULES)
+def test_calc_loss_dqn_by_hand(module):
+    net, tgt_net = LinearQ([[1.0, 2.0], [3.0, 4.0]]), LinearQ([[10.0, 20.0], [30.0, 40.0]])
+    batch = (np.array([[1, 0], [0, 1]], np.float32), np.array([1, 0]), np.array([1.0, -1.0], np.float32),
+             np.array([False, True]), np.array([[0, 1], [1, 0]], np.float32))
+    loss = module.calc_loss_dqn(batch, net, tgt_net, GAMMA, "cpu")
+    # Q(s, a) = [2, 3]; targets: 1 + 0.5 * max(30, 40) = 21, and -1 (done: no bootstrap)
+    assert loss.item() == pytest.approx(((2 - 21) ** 2 + (3 + 1) ** 2) / 2)      # 188.5
+    loss.backward()
+    assert tgt_net.table.grad is None                 # the target is a constant
+
+
+class FixedA2C(torch.nn.Module):
+    """Logits and values are parameters of their own, whatever the state."""
+
+    def __init__(self, logits, values):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor(logits))
+        self.values = torch.nn.Parameter(torch.tensor(values))
+
+    def forward(self, x):
+        return self.logits, self.values
+
+
+
+@pytest.mark.parametrize("module", A3C_MODULES)
+def test_calc_loss_a2c_by_hand(module):
+    net = FixedA2C([[0.0, 0.0], [0.0, 0.0]], [1.0, 2.0])    # uniform policy over 2 actions
+    loss_total, stats = module.calc_loss_a2c(net, None, torch.tensor([0, 1]), torch.tensor([3.0, 1.0]), 0.01)
+    ln2 = np.log(2)
+    assert stats["loss_value"].item() == pytest.approx(((1 - 3) ** 2 + (2 - 1) ** 2) / 2)   # 2.5
+    assert stats["advantage"].item() == pytest.approx((2 - 1) / 2)                           # [2, -1]
+    # -mean(adv * log pi(a|s)) = -(2 * -ln2 + -1 * -ln2) / 2
+    assert stats["loss_policy"].item() == pytest.approx(ln2 / 2)
+    # beta * mean(sum p log p) = 0.01 * -ln2: minus beta times the entropy
+    assert stats["loss_entropy"].item() == pytest.approx(-0.01 * ln2)
+    assert loss_total.item() == pytest.approx(2.5 + ln2 / 2 - 0.01 * ln2)
+
+
+@pytest.mark.parametrize("module", A3C_MODULES)
+def test_policy_loss_sends_no_gradient_to_the_value_head(module):
+    torch.manual_seed(0)
+    net = module.A2C((4,), 3)
+    _, stats = module.calc_loss_a2c(net, torch.randn(8, 4), torch.randint(3, (8,)), torch.randn(8), 0.01)
+    stats["loss_policy"].backward()
+    assert all(p.grad is None or not p.grad.any() for p in net.value.parameters())   # advantage detached
+    assert any(p.grad is not None and p.grad.any() for p in net.policy.parameters())
+
+
+@pytest.mark.parametrize("module", A3C_MODULES)
+def test_entropy_loss_step_makes_the_policy_less_certain(module):
+    net = FixedA2C([[2.0, 0.0, -1.0]], [0.0])
+
+    def entropy():
+        probs = torch.softmax(net.logits, dim=1)
+        return -(probs * probs.log()).sum().item()
+    before = entropy()
+    _, stats = module.calc_loss_a2c(net, None, torch.tensor([0]), torch.tensor([0.0]), 0.01)
+    stats["loss_entropy"].backward()
+    with torch.no_grad():
+        net.logits -= 10.0 * net.logits.grad            # one gradient-descent step on the entropy term
+    assert entropy() > before

@@ -34,6 +34,18 @@ def crashing_iter(self):
         yield exps
 common.ExperienceSourceFirstLast.__iter__ = crashing_iter
 '''
+# each child writes its pid to $RL_TEST_PIDS/<its name> once it plays
+PIDS_HOOK = """
+import multiprocessing, os
+import common
+_iter = common.ExperienceSourceFirstLast.__iter__
+def announcing_iter(self):
+    path = os.path.join(os.environ["RL_TEST_PIDS"], multiprocessing.current_process().name)
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    yield from _iter(self)
+common.ExperienceSourceFirstLast.__iter__ = announcing_iter
+"""
 # the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
 # every other Python process of the run (the play process, multiprocessing's resource tracker)
 # runs this hook too, and must not overwrite it
@@ -54,9 +66,10 @@ atexit.register(write_total)
 
 
 def start(script, *args, cwd, env=None):
-    """Start a script as a user would, in cwd, with its output captured."""
+    """Start a script as a user would, in cwd, with its output captured, leading a process group
+    of its own (as a terminal starts it)."""
     return subprocess.Popen([sys.executable, os.path.join(REPO, f"{script}.py"), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def run(script, *args, cwd, env=None, timeout=900):
@@ -208,6 +221,41 @@ def test_sigint_stops_everything_with_a_summary(script, tmp_path):
     assert_none_left(tag)
 
 
+def spawned_children(tag):
+    """Pids of the run's processes that multiprocessing spawned (not its resource tracker)."""
+    pids = []
+    for pid in tagged_pids(tag):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+@needs_proc
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+@pytest.mark.parametrize("when", ["start-up", "later"])
+def test_ctrl_c_to_the_process_group_stops_everything_with_one_summary(script, when, tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start(script, "--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
+    if when == "start-up":    # all children have been started, and they are still importing
+        deadline = time.time() + 60
+        while len(spawned_children(tag)) < (1 if script == "dqn_mp" else 4) and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+    else:
+        assert proc.stdout.readline().strip()      # a progress line: the run is under way
+    os.killpg(proc.pid, signal.SIGINT)             # what a terminal's Ctrl-C does
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert [line.startswith("{") for line in out.splitlines()].count(True) == 1
+    assert summary(out)["solved"] is False
+    assert_none_left(tag)
+
+
 @needs_proc
 @pytest.mark.parametrize("script", MP_SCRIPTS)
 def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
@@ -219,3 +267,45 @@ def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     assert "RuntimeError: injected crash" in err and f"{child} exited with code 1" in err
     assert "frames" in summary(out)
     assert_none_left(tag)
+
+
+@needs_proc
+@pytest.mark.parametrize("script, child, options", [("dqn_mp", "play process", []),
+                                                    ("a3c_data", "worker 0", ["--processes", "1"]),
+                                                    ("a3c_grad", "worker 0", ["--processes", "1"])])
+def test_child_killed_mid_message_ends_the_run_within_seconds(script, child, options, tmp_path):
+    tag = uuid.uuid4().hex
+    (tmp_path / "pids").mkdir()
+    env = dict(hooked_env(tmp_path, PIDS_HOOK, tagged_env(tag)), RL_TEST_PIDS=str(tmp_path / "pids"))
+    proc = start(script, "--envs", "3", *options, cwd=tmp_path, env=env)   # Pong: messages larger than a pipe
+    pid_file = tmp_path / "pids" / child
+    deadline = time.time() + 120
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(3)
+    os.kill(proc.pid, signal.SIGSTOP)             # the main process stops reading: the child blocks mid-message
+    time.sleep(2)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGCONT)
+    try:
+        out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)        # a hang fails the test, and leaves nothing behind
+        raise
+    assert proc.returncode == 1, err
+    assert f"{child} exited with code -9 (SIGKILL)" in err
+    assert "frames" in summary(out)
+    assert_none_left(tag)
+
+
+def test_seed_reproduces_the_play_process_of_dqn_mp(tmp_path):
+    # CartPole trains from frame 1000: before that, what the play process does depends on the seed alone
+    rewards = []
+    for seed, folder in [(3, "a"), (3, "b"), (4, "c")]:
+        (tmp_path / folder).mkdir()
+        code, _, err = run("dqn_mp", "--env", "cartpole", "--seed", str(seed), "--max-frames", "900",
+                           cwd=tmp_path / folder)
+        assert code == 0, err
+        rewards.append(events(tmp_path / folder)["episodes/reward"])
+    assert rewards[0] == rewards[1]
+    assert rewards[0] != rewards[2]
