@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
 """A3C on Pong, data parallel: worker processes play and send training samples to one learner.
 
-What crosses the process boundary: the weights, in shared CPU memory (on CPU the learner trains
-that very network, so workers see every update at once; with --cuda the learner trains on the GPU
-and copies the weights into the shared CPU network after every step), and numpy arrays through
-the queue. Workers act on the CPU, one thread each; no GPU tensor ever leaves the learner."""
-import copy
+What crosses the process boundary: the weights, which the learner publishes in shared CPU memory
+after every training step and each worker copies into a network of its own on the run's device
+(the GPU with --cuda), to act and to compute the bootstrap values; and numpy samples through a pipe
+per worker. No GPU tensor crosses it."""
 import sys
 
 import numpy as np
@@ -61,11 +60,12 @@ class A2C(nn.Module):
         features = self.body(x)
         return self.policy(features), self.value(features).squeeze(-1)
 
+
 @torch.no_grad()
-def select_actions(net, states):
+def select_actions(net, states, device):
     """Actions sampled from the policy for a batch of states."""
-    logits, _ = net(torch.as_tensor(states))
-    return torch.distributions.Categorical(logits=logits).sample().numpy()
+    logits, _ = net(torch.as_tensor(states, device=device))
+    return torch.distributions.Categorical(logits=logits).sample().cpu().numpy()
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
@@ -82,23 +82,28 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def data_func(params, args, net, worker_id, send):
-    """Worker process: play its envs with the shared net, send n-step samples in micro-batches."""
+def data_func(params, args, weights, worker_id, send):
+    """Worker process: play its envs with its copy of the published net, send n-step samples in
+    micro-batches."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    net = weights.copy_to(device)
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states), params.gamma, params.reward_steps,
+        env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * args.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
         if len(micro_batch) < params.micro_batch:
             continue
-        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, "cpu", params.gamma)
+        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, device, params.gamma)
         micro_batch.clear()
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        send((states.numpy(), actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
+        send((states.cpu().numpy(), actions.cpu().numpy(), ref_vals.cpu().numpy(), new_frames,
+              exp_source.pop_episodes()))
+        weights.refresh(net)  # once a micro-batch: it is played and valued with one set of weights
 
 
 if __name__ == "__main__":
@@ -110,9 +115,8 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
-    shared_net.share_memory()
-    workers = {f"worker {i}": (params, args, shared_net, i) for i in range(args.processes)}
+    weights = common.SharedWeights(net)
+    workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], 0
 
     with common.RewardTracker(args, net) as tracker, common.ChildProcesses(data_func, workers) as train_queue:
@@ -133,8 +137,7 @@ if __name__ == "__main__":
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
-            if shared_net is not net:  # workers play on the CPU copy
-                shared_net.load_state_dict(net.state_dict())
+            weights.publish(net)
             stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
             tracker.train(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

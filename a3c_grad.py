@@ -1,16 +1,13 @@
 #!/usr/bin/env python3
-"""A3C on Pong, gradient parallel: workers compute gradients, one process applies them to a
-network in shared memory.
+"""A3C on Pong, gradient parallel: workers compute gradients, one process applies them.
 
-What crosses the process boundary: the weights, in shared CPU memory (on CPU the main process
-steps that very network, so workers see every update at once; with --cuda it steps a GPU copy
-and copies the weights into the shared CPU network after every step), and numpy gradients through
-the queue. Workers play and backpropagate on the CPU, one thread each; no GPU tensor ever leaves
-the main process."""
-import copy
+What crosses the process boundary: the weights, which the main process publishes in shared CPU
+memory after every optimizer step and each worker copies into a network of its own on the run's
+device (the GPU with --cuda), to act and to compute the loss and its gradient; and the gradients,
+as numpy arrays through a pipe per worker, which the main process sums on the device. No GPU
+tensor crosses it."""
 import sys
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,11 +60,12 @@ class A2C(nn.Module):
         features = self.body(x)
         return self.policy(features), self.value(features).squeeze(-1)
 
+
 @torch.no_grad()
-def select_actions(net, states):
+def select_actions(net, states, device):
     """Actions sampled from the policy for a batch of states."""
-    logits, _ = net(torch.as_tensor(states))
-    return torch.distributions.Categorical(logits=logits).sample().numpy()
+    logits, _ = net(torch.as_tensor(states, device=device))
+    return torch.distributions.Categorical(logits=logits).sample().cpu().numpy()
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
@@ -84,34 +82,39 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, net, worker_id, send):
-    """Worker process: play its envs with the shared net, send the gradient of each batch."""
+def grads_func(params, args, weights, worker_id, send):
+    """Worker process: play its envs with its copy of the published net, send the gradient of each
+    batch."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    net = weights.copy_to(device)
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states), params.gamma, params.reward_steps,
+        env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * args.envs)
     batch, frames_sent = [], 0
     for exps in exp_source:
         batch.extend(exps)
         if len(batch) < params.grad_batch:
             continue
-        states, actions, ref_vals = common.unpack_batch_a2c(batch, net, "cpu", params.gamma)
+        states, actions, ref_vals = common.unpack_batch_a2c(batch, net, device, params.gamma)
         batch.clear()
-        net.zero_grad()  # grads are this process's own: the shared memory holds only the weights
+        net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
-        grads = [p.grad.numpy() for p in net.parameters()]
+        grads = [p.grad.cpu().numpy() for p in net.parameters()]
         stats = {k: v.item() for k, v in stats.items()}
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((grads, stats, new_frames, exp_source.pop_episodes()))
+        weights.refresh(net)  # once a batch: it is played and differentiated with one set of weights
 
 
 def sum_grads(net, grads_list, device):
-    """Set each parameter's grad to the sum of the workers' gradients, replacing what was there."""
+    """Set each parameter's grad to the sum of the workers' gradients, summed on device, replacing
+    what was there."""
     for param, grads in zip(net.parameters(), zip(*grads_list)):
-        param.grad = torch.as_tensor(np.sum(grads, axis=0), device=device)
+        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads)
 
 
 if __name__ == "__main__":
@@ -124,9 +127,8 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    shared_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
-    shared_net.share_memory()
-    workers = {f"worker {i}": (params, args, shared_net, i) for i in range(args.processes)}
+    weights = common.SharedWeights(net)
+    workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     grads_list, frames = [], 0
 
     with common.RewardTracker(args, net) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
@@ -143,7 +145,6 @@ if __name__ == "__main__":
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
             optimizer.step()
-            if shared_net is not net:  # workers play on the CPU copy
-                shared_net.load_state_dict(net.state_dict())
+            weights.publish(net)
             tracker.train(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
 
-What crosses the process boundary: the play network's weights, in shared CPU memory (on CPU it
-is the trained network itself; with --cuda a CPU copy refreshed after every training step), and
-numpy experience through the pipe. Nothing on the GPU is shared."""
+What crosses the process boundary: the weights, which the learner publishes in shared CPU memory
+after every training step and the play process copies into a network of its own on the run's
+device (the GPU with --cuda), and numpy experience through the pipe. No GPU tensor crosses it."""
 import copy
 import sys
 
@@ -82,18 +82,21 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
-def play_func(params, args, net, send):
-    """Child process: play the envs with the shared net and send every step's experience."""
+def play_func(params, args, weights, send):
+    """Child process: play the envs with its copy of the published net, send every step's experience."""
     torch.set_num_threads(1)   # the cores belong to the learner and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
+    device = torch.device("cuda" if args.cuda else "cpu")
+    net = weights.copy_to(device)
     env = common.make_fast_env(args.env, args.envs)
     epsilon = epsilon_by_frame(params, 0)
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, epsilon, "cpu"), params.gamma, seed=args.seed)
+        env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     for exps in exp_source:
         epsilon = epsilon_by_frame(params, exp_source.frames)
         # blocks until the learner reads it, so play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
+        weights.refresh(net)  # every step, as the learner publishes: play is one training step behind at most
 
 
 if __name__ == "__main__":
@@ -105,9 +108,8 @@ if __name__ == "__main__":
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
-    play_net = net if device.type == "cpu" else copy.deepcopy(net).cpu()
-    play_net.share_memory()
-    children = {"play process": (params, args, play_net)}
+    weights = common.SharedWeights(net)
+    children = {"play process": (params, args, weights)}
     train_steps = 0
 
     with common.RewardTracker(args, net) as tracker, common.ChildProcesses(play_func, children) as exp_queue:
@@ -128,7 +130,6 @@ if __name__ == "__main__":
             train_steps += 1
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-            if play_net is not net:  # the child plays on the CPU copy
-                play_net.load_state_dict(net.state_dict())
+            weights.publish(net)
             tracker.train(loss=loss.item(), epsilon=epsilon)
     sys.exit(tracker.exit_code)

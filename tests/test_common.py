@@ -1,9 +1,11 @@
 """Unit tests of common.py: inputs built by hand, expected values worked out by hand."""
 import collections
+import copy
 import json
 import os
 import pathlib
 import sys
+import time
 import types
 
 import gymnasium as gym
@@ -17,6 +19,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so pl
 import common  # noqa: E402
 
 GAMMA = 0.5
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device"))]
 
 
 # ---------------------------------------------------------------- a scripted env
@@ -445,3 +449,59 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["frames"] == 200
     assert summary["mean_reward"] == -20.0 and summary["solved"] is False
+
+
+# ---------------------------------------------------------------- SharedWeights
+@pytest.mark.parametrize("device", DEVICES)
+def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device):
+    learner = nn.Linear(3, 2).to(device)
+    weights = common.SharedWeights(learner)
+    child_net = weights.copy_to(device)
+    assert all(p.device.type == device for p in child_net.parameters())
+    assert all(p.is_shared() for p in weights.net.parameters())
+    # on a GPU the child has a copy of its own; on the CPU it shares the learner's network
+    assert (child_net is learner) == (device == "cpu")
+    with torch.no_grad():
+        learner.weight += 1                          # an optimizer step
+    weights.publish(learner)
+    weights.refresh(child_net)
+    for param, learned in zip(child_net.parameters(), learner.parameters()):
+        assert param.device.type == device and torch.equal(param, learned)
+
+
+def test_publish_and_refresh_copy_between_networks_other_than_the_shared_one():
+    # the copies of the GPU path, on the CPU: a learner and a child that are not the shared network
+    weights = common.SharedWeights(nn.Linear(3, 2))
+    learner, child_net = copy.deepcopy(weights.net), copy.deepcopy(weights.net)
+    with torch.no_grad():
+        learner.weight += 1
+    weights.publish(learner)
+    assert torch.equal(weights.net.weight, learner.weight)
+    assert not torch.equal(child_net.weight, learner.weight)      # until it refreshes
+    weights.refresh(child_net)
+    assert torch.equal(child_net.weight, learner.weight)
+
+
+def report_copy(weights, device, send):
+    """Child process: refresh its copy of the published net and send it, again and again."""
+    net = weights.copy_to(device)
+    while True:
+        weights.refresh(net)
+        send([(param.device.type, param.detach().cpu()) for param in net.parameters()])
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_child_process_copy_follows_what_the_learner_publishes(device):
+    learner = nn.Linear(3, 2).to(device)
+    weights = common.SharedWeights(learner)
+    with common.ChildProcesses(report_copy, {"child": (weights, device)}) as copies:
+        for count, params in enumerate(copies):
+            assert {device_type for device_type, _ in params} == {device}
+            if all(torch.equal(value, param.cpu()) for (_, value), param in zip(params, learner.parameters())):
+                if count > 0:
+                    break                            # the child has the weights published after its start
+                with torch.no_grad():
+                    learner.weight += 1
+                weights.publish(learner)
+            assert count < 200

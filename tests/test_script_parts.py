@@ -19,6 +19,8 @@ import dqn_mp  # noqa: E402
 
 DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp]
 GAMMA = 0.5
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device"))]
 A3C_MODULES = [a3c_data, a3c_grad]
 
 
@@ -89,7 +91,8 @@ def test_a3c_grad_applies_the_sum_of_worker_gradients():
     assert net.bias.grad.tolist() == [33.0]
 
 
-def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losses():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losses(device):
     torch.manual_seed(0)
     net = a3c_grad.A2C((4,), 2)
     batches = [(torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1]), torch.randn(5)) for _ in range(2)]
@@ -98,9 +101,11 @@ def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losse
         net.zero_grad()
         a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
         sent.append([p.grad.numpy().copy() for p in net.parameters()])
-    a3c_grad.sum_grads(net, sent, "cpu")
-    applied = [p.grad.clone() for p in net.parameters()]
-    net.zero_grad()
+    net.to(device)
+    a3c_grad.sum_grads(net, sent, device)       # what the main process applies, summed on the device
+    applied = [p.grad.cpu() for p in net.parameters()]
+    assert {p.grad.device.type for p in net.parameters()} == {device}
+    net.cpu().zero_grad()
     sum(a3c_grad.calc_loss_a2c(net, *batch, 0.01)[0] for batch in batches).backward()
     for got, expected in zip(applied, net.parameters()):
         torch.testing.assert_close(got, expected.grad)

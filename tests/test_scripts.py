@@ -19,6 +19,10 @@ import dqn_fast  # noqa: E402
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
 MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
+CHILDREN = {"dqn_baseline": [], "dqn_fast": [], "dqn_mp": ["play process"],
+            "a3c_data": [f"worker {i}" for i in range(4)], "a3c_grad": [f"worker {i}" for i in range(4)]}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device"))]
 SCRIPTS = DQN_SCRIPTS + A3C_SCRIPTS
 A3C_TAGS = ["train/advantage", "train/values", "train/loss_entropy", "train/loss_policy", "train/loss_value",
             "train/loss_total", "train/grad_l2", "train/grad_max"]
@@ -45,6 +49,17 @@ def announcing_iter(self):
         f.write(str(os.getpid()))
     yield from _iter(self)
 common.ExperienceSourceFirstLast.__iter__ = announcing_iter
+"""
+# each child writes the device of its copy of the network to $RL_TEST_DEVICES/<its name>
+DEVICES_HOOK = """
+import multiprocessing, os
+import common
+_copy_to = common.SharedWeights.copy_to
+def recording_copy_to(self, device):
+    with open(os.path.join(os.environ["RL_TEST_DEVICES"], multiprocessing.current_process().name), "w") as f:
+        f.write(str(device))
+    return _copy_to(self, device)
+common.SharedWeights.copy_to = recording_copy_to
 """
 # the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
 # every other Python process of the run (the play process, multiprocessing's resource tracker)
@@ -154,10 +169,15 @@ def test_bad_counts_end_with_one_line_and_exit_code_2(script, option, tmp_path):
 
 # ---------------------------------------------------------------- Pong, tiny budget
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_runs_on_pong_with_optimizer_steps_and_logs(script, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     warmup = dqn_fast.HYPERPARAMS["pong"]["replay_start"] if script in DQN_SCRIPTS else 0
-    code, out, err = run(script, "--max-frames", str(warmup + 600), "--envs", "3", cwd=tmp_path) \
-        if script != "dqn_baseline" else run(script, "--max-frames", str(warmup + 100), cwd=tmp_path)
+    options = ["--max-frames", str(warmup + 100)] if script == "dqn_baseline" else \
+        ["--max-frames", str(warmup + 600), "--envs", "3"]
+    options += ["--cuda"] if device == "cuda" else []
+    (tmp_path / "devices").mkdir()
+    env = dict(hooked_env(tmp_path, DEVICES_HOOK), RL_TEST_DEVICES=str(tmp_path / "devices"))
+    code, out, err = run(script, *options, cwd=tmp_path, env=env)
     assert code == 0, err
     result = summary(out)
     assert result["script"] == script and result["env"] == "pong" and result["train_frames"] > 0
@@ -167,6 +187,9 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, tmp_path):
         if script in DQN_SCRIPTS else A3C_TAGS
     assert set(expected) <= set(scalars)
     assert os.path.exists(os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0], "best.pt"))
+    # every child runs its own copy of the network on the run's device
+    children = {path.name: path.read_text() for path in (tmp_path / "devices").iterdir()}
+    assert sorted(children) == CHILDREN[script] and set(children.values()) <= {device}
 
 
 # ---------------------------------------------------------------- CartPole learning
