@@ -18,7 +18,7 @@ import a3c_data
 import common
 import dqn_fast
 
-SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "a3c_data", "a3c_grad"]
+SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "a3c_data", "a3c_grad", "a3c_dist"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -112,8 +112,12 @@ def tree_rss(pid):
 
 def run_script(script, args, warmup):
     """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
-    cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), "--env", args.env,
-           "--max-frames", str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
+    launcher = [sys.executable]
+    if script == "a3c_dist":  # the same number of workers as the other A3C scripts, plus rank 0
+        workers = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers + 1)]
+    cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env,
+                      "--max-frames", str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
     cmd += args.script_args.get(script, [])
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)

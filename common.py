@@ -286,6 +286,8 @@ class RewardTracker:
     def __exit__(self, exc_type, exc, tb):
         """Every stop ends here: Ctrl-C and a dead child process end with a summary, not a traceback."""
         if exc_type is KeyboardInterrupt:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # a second one (from torchrun, say) must not
+                signal.signal(signum, signal.SIG_IGN)        # cut the summary short
             self.exit_code = 130
         elif exc_type is ChildProcessError:
             print(f"{self.args.script}: error: {exc}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so plain `pytest` finds the scripts
 import a3c_data  # noqa: E402
+import a3c_dist  # noqa: E402
 import a3c_grad  # noqa: E402
 import common  # noqa: E402
 import dqn_baseline  # noqa: E402
@@ -185,3 +186,35 @@ def test_entropy_loss_step_makes_the_policy_less_certain(module):
     with torch.no_grad():
         net.logits -= 10.0 * net.logits.grad            # one gradient-descent step on the entropy term
     assert entropy() > before
+
+
+# ---------------------------------------------------------------- a3c_dist messages
+def test_a3c_dist_shares_a3c_grad_code_and_hyperparameters():
+    for name in ["A2C", "select_actions", "calc_loss_a2c", "sum_grads"]:
+        assert inspect.getsource(getattr(a3c_dist, name)) == inspect.getsource(getattr(a3c_grad, name))
+    for env in ["pong", "cartpole"]:
+        # torchrun's --nproc-per-node sets the number of workers
+        assert a3c_dist.HYPERPARAMS[env] == {k: v for k, v in a3c_grad.HYPERPARAMS[env].items() if k != "processes"}
+
+
+def test_a3c_dist_message_round_trip():
+    net = torch.nn.Linear(2, 1)                                   # parameters: weight [1, 2], bias [1]
+    grads = [torch.tensor([[1.5, -2.0]]), torch.tensor([0.25])]
+    stats = {name: float(i) for i, name in enumerate(a3c_dist.STATS)}
+    msg = a3c_dist.pack_message(grads, stats, 37, [(21.0, 900), (-3.5, 12)])
+    assert msg.shape == (3 + len(a3c_dist.STATS) + 2 + 2 * a3c_dist.MAX_EPISODES,)
+    got_grads, got_stats, frames, episodes = a3c_dist.unpack_message(msg, net)
+    assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
+    assert got_stats == stats and frames == 37 and episodes == [(21.0, 900), (-3.5, 12)]
+    msg.zero_()                                                   # rank 0 reuses its receive buffer
+    assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
+
+
+def test_a3c_dist_applies_the_sum_of_what_the_workers_sent():
+    net = torch.nn.Linear(2, 1)
+    stats = dict.fromkeys(a3c_dist.STATS, 0.0)
+    sent = [[torch.tensor([[1.0, 2.0]]), torch.tensor([3.0])], [torch.tensor([[10.0, 20.0]]), torch.tensor([30.0])]]
+    received = [a3c_dist.unpack_message(a3c_dist.pack_message(grads, stats, 8, []), net)[0] for grads in sent]
+    net.weight.grad = torch.full((1, 2), 100.0)                 # a stale gradient must be replaced
+    a3c_dist.sum_grads(net, received, "cpu")
+    assert net.weight.grad.tolist() == [[11.0, 22.0]] and net.bias.grad.tolist() == [33.0]

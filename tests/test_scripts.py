@@ -332,3 +332,86 @@ def test_seed_reproduces_the_play_process_of_dqn_mp(tmp_path):
         rewards.append(events(tmp_path / folder)["episodes/reward"])
     assert rewards[0] == rewards[1]
     assert rewards[0] != rewards[2]
+
+
+# ---------------------------------------------------------------- a3c_dist under torchrun
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]   # rank 0 and 2 workers
+# rank 1 crashes in the middle of the run
+DIST_CRASH_HOOK = """
+import os
+if os.environ.get("RANK") == "1":
+    import common
+    _iter = common.ExperienceSourceFirstLast.__iter__
+    def crashing_iter(self):
+        for step, exps in enumerate(_iter(self)):
+            if step == 20:
+                raise RuntimeError("injected crash")
+            yield exps
+    common.ExperienceSourceFirstLast.__iter__ = crashing_iter
+"""
+
+
+def start_dist(*args, cwd, env=None):
+    """Start a3c_dist.py under torchrun, as a user would, leading a process group of its own."""
+    return subprocess.Popen([sys.executable, *TORCHRUN, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("args, message", [([], "start it with torchrun"), (["--env", "mars"], "invalid choice"),
+                                           (["--envs", "0"], "positive integer"), (["--seed", "-1"], "expected an integer")])
+def test_a3c_dist_bad_input_or_no_torchrun_ends_with_one_line_and_exit_code_2(args, message, tmp_path):
+    code, out, err = run("a3c_dist", *args, cwd=tmp_path)
+    assert code == 2 and err.count("\n") == 1 and message in err and "a3c_dist.py: error:" in err
+    assert "Traceback" not in err and out == ""
+
+
+@needs_proc
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a3c_dist_learns_cartpole_within_budget(seed, tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start_dist("--env", "cartpole", "--seed", str(seed), "--max-frames", "1000000", cwd=tmp_path,
+                      env=tagged_env(tag))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    result = summary(out)
+    assert result["solved"] and result["mean_reward"] >= common.STOP_REWARDS["cartpole"], result
+    assert_none_left(tag)
+
+
+def test_a3c_dist_runs_on_pong_with_optimizer_steps_and_logs(tmp_path):
+    proc = start_dist("--max-frames", "600", "--envs", "3", cwd=tmp_path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    result = summary(out)
+    assert result["script"] == "a3c_dist" and result["env"] == "pong" and result["train_frames"] > 0
+    scalars = events(tmp_path)                         # rank 0 alone writes TensorBoard
+    assert len(scalars["train/loss"]) > 0 and set(A3C_TAGS) <= set(scalars)
+
+
+@needs_proc
+@pytest.mark.parametrize("target", ["launcher", "process group"])
+def test_a3c_dist_ctrl_c_stops_every_rank_with_one_summary(target, tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start_dist("--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
+    assert proc.stdout.readline().strip()              # a progress line: the run is under way
+    if target == "launcher":
+        proc.send_signal(signal.SIGINT)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)             # what a terminal's Ctrl-C does
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert [line.startswith("{") for line in out.splitlines()].count(True) == 1
+    assert summary(out)["solved"] is False
+    assert_none_left(tag)
+
+
+@needs_proc
+def test_a3c_dist_crash_in_a_worker_stops_every_rank_and_names_it(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start_dist("--env", "cartpole", cwd=tmp_path, env=hooked_env(tmp_path, DIST_CRASH_HOOK, tagged_env(tag)))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "RuntimeError: injected crash" in err and "local_rank: 1" in err   # torchrun names the rank
+    assert "frames" in summary(out)                                         # rank 0's summary
+    assert_none_left(tag)
