@@ -153,8 +153,8 @@ def unblocked(func, *args):
     def call():
         try:
             outcome["result"] = func(*args)
-        except RuntimeError as error:   # a peer is gone: raised again in this thread
-            outcome["error"] = error
+        except RuntimeError as error:   # gloo lost the peer: raised again in this thread
+            outcome["error"] = ConnectionError(error)
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
     thread.join()
@@ -175,7 +175,7 @@ class WorkerGradients:
         while True:
             try:
                 self.sender = unblocked(dist.recv, self.msg)   # from any worker
-            except RuntimeError as error:  # torchrun names the rank that died
+            except ConnectionError as error:  # torchrun names the rank that died
                 raise ChildProcessError(f"lost a worker: {error}") from None
             yield unpack_message(self.msg, self.net)
             self.answer(self.sender, stop=False)
@@ -216,6 +216,9 @@ if __name__ == "__main__":
             grads_func(params, args, net, rank - 1, device)
         except KeyboardInterrupt:  # Ctrl-C, or torchrun ending the run: rank 0 prints the summary
             os._exit(130)  # now: a helper thread may still wait in gloo, where teardown would abort
+        except ConnectionError as error:  # rank 0 is gone
+            print(f"a3c_dist.py: error: rank {rank} lost rank 0: {error}", file=sys.stderr, flush=True)
+            os._exit(1)
         dist.destroy_process_group()
         sys.exit(0)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)

@@ -119,17 +119,18 @@ def hooked_env(tmp_path, hook, env=None):
     return dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
 
 
+def environ_has(pid, entry):
+    """Whether a live process's environment holds the entry ("NAME=value"; Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def tagged_pids(tag):
     """Live processes carrying the tag in their environment (Linux /proc)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RL_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if environ_has(pid, f"RL_TEST_TAG={tag}")]
 
 
 def assert_none_left(tag, seconds=5.0):
@@ -414,4 +415,18 @@ def test_a3c_dist_crash_in_a_worker_stops_every_rank_and_names_it(tmp_path):
     assert proc.returncode != 0
     assert "RuntimeError: injected crash" in err and "local_rank: 1" in err   # torchrun names the rank
     assert "frames" in summary(out)                                         # rank 0's summary
+    assert_none_left(tag)
+
+
+@needs_proc
+def test_a3c_dist_death_of_rank_0_stops_every_worker_within_seconds(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start_dist("--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
+    assert proc.stdout.readline().strip()              # a progress line: the run is under way
+    (rank_0,) = [pid for pid in tagged_pids(tag) if environ_has(pid, "RANK=0") and environ_has(pid, "LOCAL_RANK=0")]
+    os.kill(rank_0, signal.SIGKILL)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode != 0
+    assert err.count("lost rank 0") == 2                # one line from each worker,
+    assert 'a3c_dist.py", line' not in err              # and no traceback through the script
     assert_none_left(tag)
