@@ -103,13 +103,13 @@ def data_func(params, args, weights, worker_id, send):
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((states.cpu().numpy(), actions.cpu().numpy(), ref_vals.cpu().numpy(), new_frames,
               exp_source.pop_episodes()))
-        weights.refresh(net)  # once a micro-batch: it is played and valued with one set of weights
+        weights.refresh(net)  # once a micro-batch, played and valued with one set of weights (GPU)
 
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="workers (default: from the preset)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
+    parser.add_argument("--processes", type=common.positive_int, help="workers (default: 4)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own

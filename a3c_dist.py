@@ -140,9 +140,9 @@ def unpack_message(msg, net):
     sizes = [p.numel() for p in net.parameters()]
     grads = [grad.view_as(p) for grad, p in zip(msg[:sum(sizes)].clone().split(sizes), net.parameters())]
     tail = msg[sum(sizes):].tolist()
-    stats, (new_frames, count), rest = dict(zip(STATS, tail)), tail[len(STATS):len(STATS) + 2], tail[len(STATS) + 2:]
-    episodes = [(reward, int(steps)) for reward, steps in zip(rest[:int(count)], rest[MAX_EPISODES:])]
-    return grads, stats, int(new_frames), episodes
+    stats, new_frames, count = dict(zip(STATS, tail)), int(tail[len(STATS)]), int(tail[len(STATS) + 1])
+    rewards, steps = tail[len(STATS) + 2:][:MAX_EPISODES], tail[len(STATS) + 2:][MAX_EPISODES:]
+    return grads, stats, new_frames, [(reward, int(n)) for reward, n in zip(rewards[:count], steps)]
 
 
 def unblocked(func, *args):
@@ -194,7 +194,7 @@ class WorkerGradients:
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.envs = args.envs or params.envs
     if "RANK" not in os.environ:

@@ -107,7 +107,7 @@ def grads_func(params, args, weights, worker_id, send):
         stats = {k: v.item() for k, v in stats.items()}
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((grads, stats, new_frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # once a batch: it is played and differentiated with one set of weights
+        weights.refresh(net)  # once a batch, played and differentiated with one set of weights (GPU)
 
 
 def sum_grads(net, grads_list, device):
@@ -119,8 +119,8 @@ def sum_grads(net, grads_list, device):
 
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="workers (default: from the preset)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: from the preset)")
+    parser.add_argument("--processes", type=common.positive_int, help="workers (default: 4)")
+    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     torch.set_num_threads(1)  # here only gradients are summed and applied: the cores are the workers'

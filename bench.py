@@ -116,8 +116,8 @@ def run_script(script, args, warmup):
     if script == "a3c_dist":  # the same number of workers as the other A3C scripts, plus rank 0
         workers = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers + 1)]
-    cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env,
-                      "--max-frames", str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
+    cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
+                      str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
     cmd += args.script_args.get(script, [])
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)

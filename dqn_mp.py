@@ -96,7 +96,7 @@ def play_func(params, args, weights, send):
         epsilon = epsilon_by_frame(params, exp_source.frames)
         # blocks until the learner reads it, so play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # every step, as the learner publishes: play is one training step behind at most
+        weights.refresh(net)  # every step, as the learner publishes: play lags one training step (GPU)
 
 
 if __name__ == "__main__":
