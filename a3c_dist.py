@@ -135,6 +135,11 @@ def pack_message(grads, stats, new_frames, episodes):
     return torch.cat([grad.flatten() for grad in grads] + [torch.tensor(tail, dtype=torch.float32)])
 
 
+def message_size(net):
+    """Length of a pack_message tensor for net."""
+    return sum(p.numel() for p in net.parameters()) + len(STATS) + 2 + 2 * MAX_EPISODES
+
+
 def unpack_message(msg, net):
     """(grads shaped like net's parameters, stats, frames played, episodes) from pack_message."""
     sizes = [p.numel() for p in net.parameters()]
@@ -169,7 +174,7 @@ class WorkerGradients:
 
     def __init__(self, net, world_size):
         self.net, self.world_size = net, world_size
-        self.msg = torch.empty(sum(p.numel() for p in net.parameters()) + len(STATS) + 2 + 2 * MAX_EPISODES)
+        self.msg = torch.empty(message_size(net))
 
     def __iter__(self):
         while True:

@@ -202,7 +202,7 @@ def test_a3c_dist_message_round_trip():
     grads = [torch.tensor([[1.5, -2.0]]), torch.tensor([0.25])]
     stats = {name: float(i) for i, name in enumerate(a3c_dist.STATS)}
     msg = a3c_dist.pack_message(grads, stats, 37, [(21.0, 900), (-3.5, 12)])
-    assert msg.shape == (3 + len(a3c_dist.STATS) + 2 + 2 * a3c_dist.MAX_EPISODES,)
+    assert msg.shape == (3 + len(a3c_dist.STATS) + 2 + 2 * a3c_dist.MAX_EPISODES,) == (a3c_dist.message_size(net),)
     got_grads, got_stats, frames, episodes = a3c_dist.unpack_message(msg, net)
     assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
     assert got_stats == stats and frames == 37 and episodes == [(21.0, 900), (-3.5, 12)]
