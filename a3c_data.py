@@ -119,7 +119,7 @@ if __name__ == "__main__":
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], 0
 
-    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(data_func, workers) as train_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(data_func, workers) as train_queue:
         for states, actions, ref_vals, new_frames, episodes in train_queue:
             frames += new_frames
             if tracker.update(frames, episodes):

@@ -229,7 +229,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     grads_list, frames = [], 0
 
-    with common.RewardTracker(args, net) as tracker:
+    with common.RewardTracker(args, net, env) as tracker:
         train_queue = WorkerGradients(net, world_size)
         for grads, stats, new_frames, episodes in train_queue:
             frames += new_frames

@@ -131,7 +131,7 @@ if __name__ == "__main__":
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     grads_list, frames = [], 0
 
-    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
         for grads, stats, new_frames, episodes in train_queue:
             frames += new_frames
             if tracker.update(frames, episodes):

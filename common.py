@@ -208,12 +208,16 @@ class RewardTracker:
     """Owns the TensorBoard writer: records episodes and training scalars against frames, prints
     progress, decides when to stop, keeps the best model and prints the final JSON summary."""
 
-    def __init__(self, args, net):
+    def __init__(self, args, net, env):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = "-".join(filter(None, [args.script, args.env, args.name, stamp]))
         self.log_dir = os.path.join("runs", name)
         self.writer = SummaryWriter(self.log_dir)
         self.args, self.net = args, net
+        # what play.py needs to rebuild the net, saved beside its weights
+        self.checkpoint = {"script": args.script, "env": args.env,
+                           "obs_shape": tuple(env.single_observation_space.shape),
+                           "n_actions": int(env.single_action_space.n)}
         self.stop_reward = STOP_REWARDS[args.env]
         self.rewards = collections.deque(maxlen=100)
         self.losses = collections.deque(maxlen=100)
@@ -252,9 +256,12 @@ class RewardTracker:
             self.last_print = (self.frames, now)
 
     def save_model(self):
-        """Write the net's weights to best.pt as CPU tensors, so that any machine can load them."""
+        """Write best.pt: what rebuilds the net, the run's progress, and the weights as CPU tensors,
+        so that any machine can load them."""
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
-        torch.save(state, os.path.join(self.log_dir, "best.pt"))
+        mean = float(np.mean(self.rewards)) if self.rewards else None
+        checkpoint = dict(self.checkpoint, frames=self.frames, mean_reward=mean, state_dict=state)
+        torch.save(checkpoint, os.path.join(self.log_dir, "best.pt"))
 
     def train(self, **scalars):
         """Log training scalars as train/<name>; a loss also feeds train/avg_loss."""

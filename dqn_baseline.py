@@ -88,7 +88,7 @@ if __name__ == "__main__":
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     train_steps = 0
 
-    with common.RewardTracker(args, net) as tracker:
+    with common.RewardTracker(args, net, env) as tracker:
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)

@@ -112,7 +112,7 @@ if __name__ == "__main__":
     children = {"play process": (params, args, weights)}
     train_steps = 0
 
-    with common.RewardTracker(args, net) as tracker, common.ChildProcesses(play_func, children) as exp_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(play_func, children) as exp_queue:
         for exps, frames, episodes in exp_queue:
             for exp in exps:
                 buffer.append(exp)

@@ -364,10 +364,15 @@ def fake_args(max_frames=None):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames)
 
 
+def fake_env():
+    return types.SimpleNamespace(single_observation_space=gym.spaces.Box(0, 1, (2,)),
+                                 single_action_space=gym.spaces.Discrete(3))
+
+
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert common.STOP_REWARDS["pong"] == 18
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
         assert not tracker.solved
         assert tracker.update(20, [(21.0, 100)])            # the 100th
@@ -376,7 +381,7 @@ def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeyp
 
 def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
         # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
         assert not tracker.update(20, [(19.0, 100)] * 49)
@@ -385,7 +390,7 @@ def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
 
 def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         tracker.update(1, [(18.0, 1)] * 99)
         # the 100th episode solves it; the one after drops the mean below 18 again
         assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
@@ -393,35 +398,35 @@ def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
 
 def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(999, [])
         assert tracker.update(1000, [])
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1)) as tracker:
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10 ** 9, [])                 # no limit
 
 
 def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with common.RewardTracker(fake_args(), net) as tracker:
+    with common.RewardTracker(fake_args(), net, fake_env()) as tracker:
         best_path = tmp_path / tracker.log_dir / "best.pt"
         tracker.update(10, [(-20.0, 1)] * 99)
         assert not best_path.exists()                         # no full window yet
         tracker.update(20, [(-20.0, 1)])
         first = {k: v.clone() for k, v in net.state_dict().items()}
-        assert torch.equal(torch.load(best_path)["weight"], first["weight"])
+        assert torch.equal(torch.load(best_path)["state_dict"]["weight"], first["weight"])
         with torch.no_grad():
             net.weight += 1
         tracker.update(30, [(-21.0, 1)])                      # a worse mean: best.pt stays
-        assert torch.equal(torch.load(best_path)["weight"], first["weight"])
+        assert torch.equal(torch.load(best_path)["state_dict"]["weight"], first["weight"])
         tracker.update(40, [(21.0, 1)])                       # a better one: best.pt follows the net
-        assert torch.equal(torch.load(best_path)["weight"], net.weight)
+        assert torch.equal(torch.load(best_path)["state_dict"]["weight"], net.weight)
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with common.RewardTracker(fake_args(), net) as tracker:
+    with common.RewardTracker(fake_args(), net, fake_env()) as tracker:
         tracker.update(100, [(-21.0, 800)])
         tracker.train(loss=0.5)
         tracker.update(200, [(-19.0, 900)])
@@ -442,9 +447,11 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     assert scalars("train/avg_loss") == [(100, 0.5), (200, 1.0)]
 
     best = torch.load(log_dir / "best.pt")
-    assert best.keys() == net.state_dict().keys()
+    assert {k: best[k] for k in ("script", "env", "obs_shape", "n_actions", "frames", "mean_reward")} == {
+        "script": "test", "env": "pong", "obs_shape": (2,), "n_actions": 3, "frames": 200, "mean_reward": -20.0}
+    assert best["state_dict"].keys() == net.state_dict().keys()
     for name, tensor in net.state_dict().items():
-        assert torch.equal(best[name], tensor)
+        assert torch.equal(best["state_dict"][name], tensor)
 
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["frames"] == 200
