@@ -53,10 +53,10 @@ def atari_game(env):
     return gym.spec(ENV_IDS[env]).kwargs.get("game")
 
 
-def make_classic_env(env, n_envs=1, noop_max=30):
+def make_classic_env(env, n_envs=1, noop_max=30, render_mode=None):
     """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
     def make_one():
-        one = gym.make(ENV_IDS[env])
+        one = gym.make(ENV_IDS[env], render_mode=render_mode)
         if atari_game(env):
             one = FireAndNoopsOnReset(one, noop_max)
             one = gym.wrappers.AtariPreprocessing(one, noop_max=0, frame_skip=4)

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Learning curves: the mean reward of the last 100 episodes of each run, against frames or
+wall-clock minutes, one line per run labelled by its script and name, with the stop reward dashed."""
+import os
+import re
+
+import matplotlib
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import EngFormatter  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+import common  # noqa: E402
+
+STAMP = re.compile(r"-\d{8}-\d{6}$")  # the time RewardTracker appends to a run folder's name
+
+
+def load_curve(run_dir, x):
+    """Folder name and (xs, ys) of a run's episodes/avg_reward; ValueError saying why not."""
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"no such run folder: {run_dir}")
+    if not any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir)):
+        raise ValueError(f"{run_dir} holds no TensorBoard events")
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    if "episodes/avg_reward" not in events.Tags()["scalars"]:
+        raise ValueError(f"{run_dir} has no finished episode yet")
+    points = events.Scalars("episodes/avg_reward")
+    start = events.FirstEventTimestamp()
+    xs = [p.step if x == "frames" else (p.wall_time - start) / 60 for p in points]
+    return os.path.basename(os.path.normpath(run_dir)), xs, [p.value for p in points]
+
+
+def labels(folders):
+    """Script, env and name of each run (its folder's name without the time), with the time
+    where two runs would share a label."""
+    short = [STAMP.sub("", folder) for folder in folders]
+    return [s if short.count(s) == 1 else f for s, f in zip(short, folders)]
+
+
+if __name__ == "__main__":
+    parser = common.ArgumentParser(description=__doc__)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
+    parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
+                        help="where to write the plot (default: reward.png)")
+    parser.add_argument("--x", choices=["frames", "minutes"], default="frames", help="x axis (default: frames)")
+    args = parser.parse_args()
+    try:
+        curves = [load_curve(run_dir, args.x) for run_dir in args.run_dirs]
+        output = open(args.output, "wb")
+    except ValueError as error:
+        parser.error(str(error))
+    except OSError as error:
+        parser.error(f"cannot write {args.output}: {error.strerror}")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    folders = [folder for folder, _, _ in curves]
+    for label, (_, xs, ys) in zip(labels(folders), curves):
+        ax.plot(xs, ys, label=label)
+    envs = {part for folder in folders for part in folder.split("-")[1:2]}  # runs/<script>-<env>-...
+    for env in sorted(envs & common.STOP_REWARDS.keys()):
+        ax.axhline(common.STOP_REWARDS[env], color="grey", linestyle="--", label=f"{env} solved")
+    if args.x == "frames":
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 500k, 1M
+    ax.set_xlabel("frames" if args.x == "frames" else "wall-clock minutes")
+    ax.set_ylabel("mean reward, last 100 episodes")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(output, format="png", dpi=100)
+    output.close()
