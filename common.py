@@ -232,6 +232,8 @@ class RewardTracker:
         self.frames = frames
         for reward, steps in episodes:
             self.episode(reward, steps)
+            if self.solved:  # the run ends here: later episodes must not move the mean it solved at
+                break
         return self.solved or (self.args.max_frames is not None and frames >= self.args.max_frames)
 
     def episode(self, reward, steps):

@@ -392,8 +392,10 @@ def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         tracker.update(1, [(18.0, 1)] * 99)
-        # the 100th episode solves it; the one after drops the mean below 18 again
+        # the 100th episode solves it; the one after would drop the mean below 18 again
         assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
+        summary = tracker.summary()
+    assert summary["solved"] and summary["episodes"] == 100 and summary["mean_reward"] == 18.0
 
 
 def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
