@@ -29,8 +29,8 @@ PONG = dict(
     reward_steps=4,           # n of the n-step reference values
     clip_grad=0.1,            # max L2 norm of the gradient
     envs=8,                   # envs per worker
-    grad_batch=64,            # samples per worker gradient
-    grads_per_step=2,         # worker gradients summed per optimizer step
+    grad_batch=32,            # samples per worker gradient
+    grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
@@ -119,11 +119,11 @@ def grads_func(params, args, net, worker_id, device):
         torch.nn.utils.vector_to_parameters(answer[:-1].to(device, copy=True), net.parameters())
 
 
-def sum_grads(net, grads_list, device):
-    """Set each parameter's grad to the sum of the workers' gradients, summed on device, replacing
-    what was there."""
+def mean_grads(net, grads_list, device):
+    """Set each parameter's grad to the mean of the workers' gradients, taken on device, replacing
+    what was there: for batches of one size, the gradient of the mean loss over all their samples."""
     for param, grads in zip(net.parameters(), zip(*grads_list)):
-        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads)
+        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads) / len(grads)
 
 
 def pack_message(grads, stats, new_frames, episodes):
@@ -235,11 +235,11 @@ if __name__ == "__main__":
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
-            # rank 0 only applies gradients: it sums a few workers' into one step
+            # rank 0 only applies gradients: it averages a few workers' into one step
             grads_list.append(grads)
             if len(grads_list) < params.grads_per_step:
                 continue
-            sum_grads(net, grads_list, device)
+            mean_grads(net, grads_list, device)
             grads_list.clear()
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()

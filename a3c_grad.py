@@ -4,7 +4,7 @@
 What crosses the process boundary: the weights, which the main process publishes in shared CPU
 memory after every optimizer step and each worker copies into a network of its own on the run's
 device (the GPU with --cuda), to act and to compute the loss and its gradient; and the gradients,
-as numpy arrays through a pipe per worker, which the main process sums on the device. No GPU
+as numpy arrays through a pipe per worker, which the main process averages on the device. No GPU
 tensor crosses it."""
 import sys
 
@@ -26,8 +26,8 @@ PONG = dict(
     clip_grad=0.1,            # max L2 norm of the gradient
     processes=4,              # worker processes
     envs=8,                   # envs per worker
-    grad_batch=64,            # samples per worker gradient
-    grads_per_step=2,         # worker gradients summed per optimizer step
+    grad_batch=32,            # samples per worker gradient
+    grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
@@ -110,11 +110,11 @@ def grads_func(params, args, weights, worker_id, send):
         weights.refresh(net)  # once a batch, played and differentiated with one set of weights (GPU)
 
 
-def sum_grads(net, grads_list, device):
-    """Set each parameter's grad to the sum of the workers' gradients, summed on device, replacing
-    what was there."""
+def mean_grads(net, grads_list, device):
+    """Set each parameter's grad to the mean of the workers' gradients, taken on device, replacing
+    what was there: for batches of one size, the gradient of the mean loss over all their samples."""
     for param, grads in zip(net.parameters(), zip(*grads_list)):
-        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads)
+        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads) / len(grads)
 
 
 if __name__ == "__main__":
@@ -123,7 +123,7 @@ if __name__ == "__main__":
     parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
-    torch.set_num_threads(1)  # here only gradients are summed and applied: the cores are the workers'
+    torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
@@ -136,11 +136,11 @@ if __name__ == "__main__":
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
-            # the main process only applies gradients: it sums a few workers' into one step
+            # the main process only applies gradients: it averages a few workers' into one step
             grads_list.append(grads)
             if len(grads_list) < params.grads_per_step:
                 continue
-            sum_grads(net, grads_list, device)
+            mean_grads(net, grads_list, device)
             grads_list.clear()
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()

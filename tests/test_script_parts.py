@@ -82,18 +82,18 @@ def test_pong_replay_buffer_fits_in_memory():
 
 
 # ---------------------------------------------------------------- a3c_grad plumbing
-def test_a3c_grad_applies_the_sum_of_worker_gradients():
+def test_a3c_grad_applies_the_mean_of_worker_gradients():
     net = torch.nn.Linear(2, 1)
     net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
     worker_1 = [np.array([[1.0, 2.0]], dtype=np.float32), np.array([3.0], dtype=np.float32)]
-    worker_2 = [np.array([[10.0, 20.0]], dtype=np.float32), np.array([30.0], dtype=np.float32)]
-    a3c_grad.sum_grads(net, [worker_1, worker_2], "cpu")
-    assert net.weight.grad.tolist() == [[11.0, 22.0]]
-    assert net.bias.grad.tolist() == [33.0]
+    worker_2 = [np.array([[11.0, 22.0]], dtype=np.float32), np.array([33.0], dtype=np.float32)]
+    a3c_grad.mean_grads(net, [worker_1, worker_2], "cpu")
+    assert net.weight.grad.tolist() == [[6.0, 12.0]]
+    assert net.bias.grad.tolist() == [18.0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losses(device):
+def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_over_all_samples(device):
     torch.manual_seed(0)
     net = a3c_grad.A2C((4,), 2)
     batches = [(torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1]), torch.randn(5)) for _ in range(2)]
@@ -103,11 +103,12 @@ def test_a3c_grad_summed_worker_gradients_equal_the_gradient_of_the_summed_losse
         a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
         sent.append([p.grad.numpy().copy() for p in net.parameters()])
     net.to(device)
-    a3c_grad.sum_grads(net, sent, device)       # what the main process applies, summed on the device
+    a3c_grad.mean_grads(net, sent, device)      # what the main process applies, averaged on the device
     applied = [p.grad.cpu() for p in net.parameters()]
     assert {p.grad.device.type for p in net.parameters()} == {device}
     net.cpu().zero_grad()
-    sum(a3c_grad.calc_loss_a2c(net, *batch, 0.01)[0] for batch in batches).backward()
+    states, actions, ref_vals = (torch.cat(parts) for parts in zip(*batches))   # a3c_data's one batch
+    a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
     for got, expected in zip(applied, net.parameters()):
         torch.testing.assert_close(got, expected.grad)
 
@@ -190,7 +191,7 @@ def test_entropy_loss_step_makes_the_policy_less_certain(module):
 
 # ---------------------------------------------------------------- a3c_dist messages
 def test_a3c_dist_shares_a3c_grad_code_and_hyperparameters():
-    for name in ["A2C", "select_actions", "calc_loss_a2c", "sum_grads"]:
+    for name in ["A2C", "select_actions", "calc_loss_a2c", "mean_grads"]:
         assert inspect.getsource(getattr(a3c_dist, name)) == inspect.getsource(getattr(a3c_grad, name))
     for env in ["pong", "cartpole"]:
         # torchrun's --nproc-per-node sets the number of workers
@@ -210,11 +211,11 @@ def test_a3c_dist_message_round_trip():
     assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
 
 
-def test_a3c_dist_applies_the_sum_of_what_the_workers_sent():
+def test_a3c_dist_applies_the_mean_of_what_the_workers_sent():
     net = torch.nn.Linear(2, 1)
     stats = dict.fromkeys(a3c_dist.STATS, 0.0)
-    sent = [[torch.tensor([[1.0, 2.0]]), torch.tensor([3.0])], [torch.tensor([[10.0, 20.0]]), torch.tensor([30.0])]]
+    sent = [[torch.tensor([[1.0, 2.0]]), torch.tensor([3.0])], [torch.tensor([[11.0, 22.0]]), torch.tensor([33.0])]]
     received = [a3c_dist.unpack_message(a3c_dist.pack_message(grads, stats, 8, []), net)[0] for grads in sent]
     net.weight.grad = torch.full((1, 2), 100.0)                 # a stale gradient must be replaced
-    a3c_dist.sum_grads(net, received, "cpu")
-    assert net.weight.grad.tolist() == [[11.0, 22.0]] and net.bias.grad.tolist() == [33.0]
+    a3c_dist.mean_grads(net, received, "cpu")
+    assert net.weight.grad.tolist() == [[6.0, 12.0]] and net.bias.grad.tolist() == [18.0]
