@@ -33,7 +33,7 @@ PONG = dict(
     grad_batch=32,            # samples per worker gradient
     grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
 )
-CARTPOLE = PONG                   # the same values learn CartPole
+CARTPOLE = PONG               # the same values learn CartPole
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 MAX_EPISODES = 32             # finished episodes one message carries; more wait for the next
 STATS = ["advantage", "values", "loss_entropy", "loss_policy", "loss_value", "loss_total"]

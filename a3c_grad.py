@@ -30,7 +30,7 @@ PONG = dict(
     grad_batch=32,            # samples per worker gradient
     grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
 )
-CARTPOLE = PONG                   # the same values learn CartPole
+CARTPOLE = PONG               # the same values learn CartPole
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 
 
