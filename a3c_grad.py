@@ -17,9 +17,9 @@ import common
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
     gamma=0.99,
-    # the book's 1e-3, not a3c_data's 3e-3: applied to weights a few steps newer than the ones they
-    # were computed at, 3e-3 steps flip the sign of the value error and the value never learns
-    # (README, Results)
+    # the book's 1e-3, not a3c_data's 3e-3: gradients land on weights a step or more newer than the
+    # ones they were taken at, and at 3e-3 a step or two flips the sign of the value error, so the
+    # value never learns (README, Results)
     learning_rate=1e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
