@@ -3,6 +3,7 @@ buffer, batch unpacking, reward tracking, the command line and the child process
 changes when copying a script (hyperparameters, network, loss, agent) lives in the script."""
 import argparse
 import collections
+import contextlib
 import copy
 import json
 import multiprocessing.connection
@@ -204,6 +205,23 @@ def unpack_batch_a2c(exps, net, device, gamma):
 
 
 # ---------------------------------------------------------------- tracking and logging
+@contextlib.contextmanager
+def signals_held():
+    """Hold Ctrl-C and SIGTERM until the block ends, then deliver them: a KeyboardInterrupt inside
+    TensorBoard's writer queue can lose the wake-up of its writer thread (closing the writer then
+    waits up to 2 minutes), and one inside torch.save leaves half a best.pt."""
+    held = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in held[:1]:
+            signal.raise_signal(signum)
+
+
 class RewardTracker:
     """Owns the TensorBoard writer: records episodes and training scalars against frames, prints
     progress, decides when to stop, keeps the best model and prints the final JSON summary."""
@@ -227,6 +245,7 @@ class RewardTracker:
         self.start = time.perf_counter()
         self.last_print = (0, self.start)
 
+    @signals_held()
     def update(self, frames, episodes):
         """Record the frame count and finished (reward, steps) episodes; True when it is time to stop."""
         self.frames = frames
@@ -265,6 +284,7 @@ class RewardTracker:
         checkpoint = dict(self.checkpoint, frames=self.frames, mean_reward=mean, state_dict=state)
         torch.save(checkpoint, os.path.join(self.log_dir, "best.pt"))
 
+    @signals_held()
     def train(self, **scalars):
         """Log training scalars as train/<name>; a loss also feeds train/avg_loss."""
         if self.train_start is None:

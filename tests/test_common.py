@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 import types
@@ -423,6 +424,23 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], first["weight"])
         tracker.update(40, [(21.0, 1)])                       # a better one: best.pt follows the net
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], net.weight)
+
+
+def test_tracker_delivers_a_ctrl_c_that_arrives_while_it_logs_after_logging(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+        logged, add_scalar = [], tracker.writer.add_scalar
+
+        def add_scalar_under_ctrl_c(tag, *args):
+            if not logged:
+                signal.raise_signal(signal.SIGINT)   # Ctrl-C inside the writer's call
+            add_scalar(tag, *args)
+            logged.append(tag)
+        monkeypatch.setattr(tracker.writer, "add_scalar", add_scalar_under_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            tracker.train(loss=0.5, epsilon=0.1)
+        assert logged == ["train/loss", "train/epsilon", "train/avg_loss"]   # then the interrupt
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
