@@ -426,7 +426,15 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], net.weight)
 
 
-def test_tracker_delivers_a_ctrl_c_that_arrives_while_it_logs_after_logging(tmp_path, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here, also where pytest started with it ignored (nohup, CI)."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_tracker_delivers_a_ctrl_c_that_arrives_while_it_logs_after_logging(tmp_path, monkeypatch, ctrl_c_raises):
     monkeypatch.chdir(tmp_path)
     with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         logged, add_scalar = [], tracker.writer.add_scalar
