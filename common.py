@@ -218,8 +218,8 @@ def signals_held():
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        for signum in held[:1]:
-            signal.raise_signal(signum)
+        if held:
+            signal.raise_signal(held[0])
 
 
 class RewardTracker:
