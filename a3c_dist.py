@@ -4,7 +4,8 @@
 
 What crosses the process boundary, over gloo and only as CPU tensors: from each worker rank, one
 flat message (its gradient, loss stats, frames played and finished episodes); back from rank 0,
-the newest weights, which the worker copies into its network on its device, and whether to stop.
+the weights after the optimizer step that took its gradient, which the worker copies into its
+network on its device, and whether to stop.
 Start it with `torchrun --standalone --nproc-per-node 5 a3c_dist.py` (4 workers), or on several
 machines with `torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:29400`."""
 import os
@@ -21,19 +22,18 @@ import common
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
     gamma=0.99,
-    # the book's 1e-3, not a3c_data's 3e-3: gradients land on weights a step or more newer than the
-    # ones they were taken at, and at 3e-3 a step or two flips the sign of the value error, so the
-    # value never learns (README, Results)
-    learning_rate=1e-3,
+    # 3e-3, as in a3c_data, not the book's 1e-3; it needs the synchronous steps of grads_func:
+    # with gradients that land on newer weights than they were taken at, the value never learns at
+    # 3e-3 (README, Results)
+    learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
     reward_steps=4,           # n of the n-step reference values
     clip_grad=0.1,            # max L2 norm of the gradient
     envs=8,                   # envs per worker
-    grad_batch=32,            # samples per worker gradient
-    grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
+    grad_batch=32,            # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
 )
-CARTPOLE = PONG               # the same values learn CartPole
+CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 MAX_EPISODES = 32             # finished episodes one message carries; more wait for the next
 STATS = ["advantage", "values", "loss_entropy", "loss_policy", "loss_value", "loss_total"]
@@ -89,8 +89,9 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
 
 
 def grads_func(params, args, net, worker_id, device):
-    """Worker rank: play its envs with its copy of rank 0's net, send the gradient of each batch to
-    rank 0 and take the newest weights back, until rank 0 says stop."""
+    """Worker rank: play its envs with its copy of rank 0's net; for each batch, take the weights of
+    the optimizer step that took its last gradient from rank 0, then send it the gradient at them,
+    until rank 0 says stop."""
     torch.manual_seed(args.seed + worker_id)
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
@@ -104,7 +105,12 @@ def grads_func(params, args, net, worker_id, device):
             continue
         states, actions, ref_vals = common.unpack_batch_a2c(batch, net, device, params.gamma)
         batch.clear()
-        net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
+        # synchronous steps: every gradient a step averages is taken at the weights the step updates
+        unblocked(dist.recv, answer, 0)
+        if answer[-1]:  # rank 0 says stop
+            return
+        torch.nn.utils.vector_to_parameters(answer[:-1].to(device, copy=True), net.parameters())
+        net.zero_grad()
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
         grads = [p.grad.cpu() for p in net.parameters()]
@@ -113,11 +119,6 @@ def grads_func(params, args, net, worker_id, device):
         episodes += exp_source.pop_episodes()
         unblocked(dist.send, pack_message(grads, stats, new_frames, episodes[:MAX_EPISODES]), 0)
         del episodes[:MAX_EPISODES]
-        unblocked(dist.recv, answer, 0)
-        if answer[-1]:  # rank 0 says stop
-            return
-        # once a batch: it is played and differentiated with one set of weights
-        torch.nn.utils.vector_to_parameters(answer[:-1].to(device, copy=True), net.parameters())
 
 
 def mean_grads(net, grads_list, device):
@@ -170,8 +171,8 @@ def unblocked(func, *args):
 
 
 class WorkerGradients:
-    """Rank 0's end: the workers' messages in the order they arrive, from whichever worker sent one;
-    each sender gets the newest weights back once the next message is asked for."""
+    """Rank 0's end: rounds of one message from each worker, in rank order; before each round, every
+    worker gets the newest weights, those of the step that the last round's gradients went into."""
 
     def __init__(self, net, world_size):
         self.net, self.world_size = net, world_size
@@ -179,23 +180,31 @@ class WorkerGradients:
 
     def __iter__(self):
         while True:
-            try:
-                self.sender = unblocked(dist.recv, self.msg)   # from any worker
-            except ConnectionError as error:  # torchrun names the rank that died
-                raise ChildProcessError(f"lost a worker: {error}") from None
-            yield unpack_message(self.msg, self.net)
-            self.answer(self.sender, stop=False)
+            self.answer(stop=False)
+            for self.sender in range(1, self.world_size):
+                self.call(dist.recv, self.msg, self.sender)
+                yield unpack_message(self.msg, self.net)
 
-    def answer(self, worker, stop):
-        """Send the newest weights, and whether to stop, to a worker."""
+    def answer(self, stop):
+        """Send the newest weights, and whether to stop, to every worker."""
         weights = torch.nn.utils.parameters_to_vector(self.net.parameters()).cpu()
-        unblocked(dist.send, torch.cat([weights, torch.tensor([float(stop)])]), worker)
+        answer = torch.cat([weights, torch.tensor([float(stop)])])
+        for worker in range(1, self.world_size):
+            self.call(dist.send, answer, worker)
 
     def stop(self):
-        """Tell the last sender to stop, then every other worker in answer to its next message."""
-        self.answer(self.sender, stop=True)
-        for _ in range(self.world_size - 2):
-            self.answer(unblocked(dist.recv, self.msg), stop=True)
+        """Take the rest of the round's messages, then tell every worker to stop."""
+        for self.sender in range(self.sender + 1, self.world_size):
+            self.call(dist.recv, self.msg, self.sender)
+        self.answer(stop=True)
+
+    @staticmethod
+    def call(func, tensor, worker):
+        """Send a tensor to, or receive one from, a worker; one that is gone ends the run."""
+        try:
+            unblocked(func, tensor, worker)
+        except ConnectionError as error:  # torchrun names the rank that died
+            raise ChildProcessError(f"lost a worker: {error}") from None
 
 
 if __name__ == "__main__":
@@ -236,9 +245,9 @@ if __name__ == "__main__":
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
-            # rank 0 only applies gradients: it averages a few workers' into one step
+            # rank 0 only applies gradients: it averages one from each worker into one step
             grads_list.append(grads)
-            if len(grads_list) < params.grads_per_step:
+            if len(grads_list) < world_size - 1:
                 continue
             mean_grads(net, grads_list, device)
             grads_list.clear()

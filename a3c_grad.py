@@ -3,10 +3,12 @@
 
 What crosses the process boundary: the weights, which the main process publishes in shared CPU
 memory after every optimizer step and each worker copies into a network of its own on the run's
-device (the GPU with --cuda), to act and to compute the loss and its gradient; and the gradients,
-as numpy arrays through a pipe per worker, which the main process averages on the device. No GPU
-tensor crosses it."""
+device (the GPU with --cuda), to act and to compute the loss and its gradient; the number of
+optimizer steps made, in shared memory too; and the gradients, as numpy arrays through a pipe per
+worker, which the main process averages on the device. No GPU tensor crosses it."""
+import multiprocessing
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -17,20 +19,19 @@ import common
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
     gamma=0.99,
-    # the book's 1e-3, not a3c_data's 3e-3: gradients land on weights a step or more newer than the
-    # ones they were taken at, and at 3e-3 a step or two flips the sign of the value error, so the
-    # value never learns (README, Results)
-    learning_rate=1e-3,
+    # 3e-3, as in a3c_data, not the book's 1e-3; it needs the synchronous steps of grads_func:
+    # with gradients that land on newer weights than they were taken at, the value never learns at
+    # 3e-3 (README, Results)
+    learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
     reward_steps=4,           # n of the n-step reference values
     clip_grad=0.1,            # max L2 norm of the gradient
-    processes=4,              # worker processes
+    processes=4,              # worker processes, one gradient from each per optimizer step
     envs=8,                   # envs per worker
-    grad_batch=32,            # samples per worker gradient
-    grads_per_step=4,         # worker gradients averaged per optimizer step: 128 samples, as in a3c_data
+    grad_batch=32,            # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
 )
-CARTPOLE = PONG               # the same values learn CartPole
+CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 
 
@@ -83,9 +84,9 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, weights, worker_id, send):
-    """Worker process: play its envs with its copy of the published net, send the gradient of each
-    batch."""
+def grads_func(params, args, weights, steps, worker_id, send):
+    """Worker process: play its envs with its copy of the published net; for each batch, wait for
+    the optimizer step that took its last gradient, then send the gradient at the new weights."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -94,13 +95,16 @@ def grads_func(params, args, weights, worker_id, send):
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * args.envs)
-    batch, frames_sent = [], 0
+    batch, frames_sent, step = [], 0, -1
     for exps in exp_source:
         batch.extend(exps)
         if len(batch) < params.grad_batch:
             continue
         states, actions, ref_vals = common.unpack_batch_a2c(batch, net, device, params.gamma)
         batch.clear()
+        # synchronous steps: every gradient a step averages is taken at the weights the step updates
+        step = wait_for_step(steps, step)
+        weights.refresh(net)  # to that step's weights (GPU)
         net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
@@ -108,7 +112,16 @@ def grads_func(params, args, weights, worker_id, send):
         stats = {k: v.item() for k, v in stats.items()}
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((grads, stats, new_frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # once a batch, played and differentiated with one set of weights (GPU)
+
+
+def wait_for_step(steps, last):
+    """Wait until the main process has made an optimizer step after step number last; return the
+    newest step's number. A worker whose main process is gone has nobody to wait for: it ends."""
+    while int(steps) == last:
+        if not multiprocessing.parent_process().is_alive():
+            raise BrokenPipeError("the main process is gone")
+        time.sleep(0.001)
+    return int(steps)
 
 
 def mean_grads(net, grads_list, device):
@@ -129,7 +142,8 @@ if __name__ == "__main__":
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     weights = common.SharedWeights(net)
-    workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
+    steps = torch.zeros((), dtype=torch.int64).share_memory_()   # optimizer steps made
+    workers = {f"worker {i}": (params, args, weights, steps, i) for i in range(args.processes)}
     grads_list, frames = [], 0
 
     with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
@@ -137,9 +151,9 @@ if __name__ == "__main__":
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
-            # the main process only applies gradients: it averages a few workers' into one step
+            # the main process only applies gradients: it averages one from each worker into one step
             grads_list.append(grads)
-            if len(grads_list) < params.grads_per_step:
+            if len(grads_list) < args.processes:
                 continue
             mean_grads(net, grads_list, device)
             grads_list.clear()
@@ -147,5 +161,6 @@ if __name__ == "__main__":
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
             optimizer.step()
             weights.publish(net)
+            steps += 1  # after the weights: a worker that sees the new step number finds them
             tracker.train(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

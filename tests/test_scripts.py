@@ -80,6 +80,38 @@ common.ReplayBuffer.sample = counting_sample
 atexit.register(write_total)
 '''
 
+# every process writes a line to $RL_TEST_WEIGHTS/<its name> with a digest of the weights: a worker
+# when it is about to take a gradient (net.zero_grad()), the learner before each optimizer step
+WEIGHTS_HOOK = """
+import hashlib, multiprocessing, os
+import torch
+def digest(params):
+    return hashlib.md5(b"".join(p.detach().cpu().numpy().tobytes() for p in params)).hexdigest()
+def record(params):
+    name = os.environ.get("RANK") or multiprocessing.current_process().name
+    with open(os.path.join(os.environ["RL_TEST_WEIGHTS"], name), "a") as f:
+        f.write(digest(params) + "\\n")
+_zero_grad, _step = torch.nn.Module.zero_grad, torch.optim.Adam.step
+def recording_zero_grad(self, *args, **kwargs):
+    record(self.parameters())
+    return _zero_grad(self, *args, **kwargs)
+def recording_step(self, *args, **kwargs):
+    record(p for group in self.param_groups for p in group["params"])
+    return _step(self, *args, **kwargs)
+torch.nn.Module.zero_grad, torch.optim.Adam.step = recording_zero_grad, recording_step
+"""
+
+
+def assert_steps_average_one_gradient_per_worker_at_their_weights(folder, learner, workers):
+    """Each optimizer step's weights are those that every worker took one gradient at, and the
+    workers took theirs at no other weights (but the newest, whose step the run's end cut off)."""
+    steps = (folder / learner).read_text().split()
+    taken = {worker: (folder / worker).read_text().split() for worker in workers}
+    assert len(steps) > 10
+    for worker, digests in taken.items():
+        assert digests[:len(steps)] == steps, worker
+        assert len(digests) <= len(steps) + 1, worker
+
 
 @pytest.fixture(autouse=True)
 def sigint_not_ignored():
@@ -230,6 +262,33 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     # and comes with one step of all envs: envs frames, less the slots that only reset an env
     # (at most one per finished episode)
     assert envs * steps - result["episodes"] - envs <= result["train_frames"] <= envs * steps
+
+
+# ---------------------------------------------------------------- a3c_grad's synchronous steps
+def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(tmp_path):
+    (tmp_path / "weights").mkdir()
+    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
+    code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "5000",
+                       cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert_steps_average_one_gradient_per_worker_at_their_weights(
+        tmp_path / "weights", "MainProcess", [f"worker {i}" for i in range(3)])
+
+
+@needs_proc
+def test_a3c_grad_workers_waiting_for_a_step_end_when_the_main_process_is_killed(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start("a3c_grad", "--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
+    assert proc.stdout.readline().strip()          # a progress line: the run is under way
+    os.kill(proc.pid, signal.SIGSTOP)              # no step comes: each worker sends a gradient, then waits
+    time.sleep(3)
+    os.kill(proc.pid, signal.SIGKILL)              # and no step will come, nor a broken pipe
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)        # a hang fails the test, and leaves nothing behind
+        raise
+    assert_none_left(tag)
 
 
 # ---------------------------------------------------------------- processes
@@ -415,6 +474,15 @@ def test_a3c_dist_ctrl_c_stops_every_rank_with_one_summary(target, tmp_path):
     assert [line.startswith("{") for line in out.splitlines()].count(True) == 1
     assert summary(out)["solved"] is False
     assert_none_left(tag)
+
+
+def test_a3c_dist_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(tmp_path):
+    (tmp_path / "weights").mkdir()
+    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
+    proc = start_dist("--env", "cartpole", "--max-frames", "5000", cwd=tmp_path, env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert_steps_average_one_gradient_per_worker_at_their_weights(tmp_path / "weights", "0", ["1", "2"])
 
 
 @needs_proc
