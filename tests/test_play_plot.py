@@ -5,12 +5,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+import dqn_baseline  # noqa: E402
+import play  # noqa: E402
 import plot  # noqa: E402
 
 
@@ -32,7 +35,7 @@ def trained_run(tmp_path_factory, script, *args):
 
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
-    """DQN trained on CartPole until solved (about 21k frames with this seed)."""
+    """DQN trained on CartPole until solved (about 22k frames with this seed)."""
     return trained_run(tmp_path_factory, "dqn_baseline", "--env", "cartpole", "--seed", "1")
 
 
@@ -71,10 +74,22 @@ def test_play_scores_the_trained_dqn_greedily(cartpole_run, tmp_path):
     assert len(scores) == result["episodes"] == 5
     assert result["mean"] == pytest.approx(sum(scores) / 5)
     assert (result["min"], result["max"]) == (min(scores), max(scores))
-    # the trained weights were loaded: a fresh net keeps the pole up for about 10 steps
-    assert result["mean"] >= 150
+    # pushing one way topples the pole in about 10 steps; trained nets (seeds 1-5) kept it up 130-500
+    assert result["mean"] >= 50
     # the same seed plays the same episodes
     assert run("play", str(cartpole_run / "best.pt"), "--episodes", "5", cwd=tmp_path)[1] == out
+
+
+def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
+    checkpoint = play.load_checkpoint(str(cartpole_run))
+    agent = play.build_agent(checkpoint, torch.device("cpu"))
+    net = dqn_baseline.DQN((4,), 2)
+    net.load_state_dict(checkpoint["state_dict"])
+    states = np.random.default_rng(0).normal(size=(1000, 4)).astype(np.float32)
+    with torch.no_grad():
+        greedy = net(torch.as_tensor(states)).argmax(dim=1).numpy()
+    assert 0 < greedy.mean() < 1   # the trained net takes both actions: a constant agent fails here
+    assert (agent(states) == greedy).all()
 
 
 def test_play_a3c_on_pong_and_record_a_gif(pong_run, tmp_path):
