@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""A3C on Pong, gradient parallel across machines: torchrun starts the processes, torch.distributed
-(gloo) joins them. Rank 0 applies the gradients that every other rank computes.
+"""A3C on Pong, gradient parallel across machines, in synchronous steps (A2C's update with A3C's
+workers): torchrun starts the ranks, torch.distributed (gloo) joins them; rank 0 averages one
+gradient from every other rank into one optimizer step, which every rank waits for.
 
 What crosses the process boundary, over gloo and only as CPU tensors: from each worker rank, one
 flat message (its gradient, loss stats, frames played and finished episodes); back from rank 0,

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""A3C on Pong, gradient parallel: workers compute gradients, one process applies them.
+"""A3C on Pong, gradient parallel, in synchronous steps (A2C's update with A3C's workers): each
+worker computes a gradient on its own samples, the main process averages one from each worker
+into one optimizer step, and every worker waits for that step before its next gradient.
 
 What crosses the process boundary: the weights, which the main process publishes in shared CPU
 memory after every optimizer step and each worker copies into a network of its own on the run's

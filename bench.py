@@ -11,6 +11,8 @@ import tempfile
 import time
 import types
 
+import ale_py
+import gymnasium as gym
 import numpy as np
 import torch
 
@@ -96,6 +98,26 @@ def a2c_ceiling(env_name, space, n_actions, device, seconds):
     return timed_rate(step, params.batch_size, seconds)
 
 
+def cpu_model():
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def commit():
+    """The git commit of these scripts, with "+changes" if the work tree differs from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+    except OSError:   # no git here
+        return "unknown"
+
+
 def tree_rss(pid):
     """Resident bytes of a process and all its descendants (Linux /proc; 0 elsewhere)."""
     try:
@@ -163,11 +185,12 @@ def main():
         "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
     if args.cuda:
         machine += f", {torch.cuda.get_device_name()}"
     command = " ".join(["python bench.py"] + sys.argv[1:])
-    print(f"Machine: {machine}; torch {torch.__version__}; command: {command}")
+    print(f"Machine: {machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
+          f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {command}")
     print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
           f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s\n")

@@ -26,6 +26,7 @@ gym.register_envs(ale_py)
 # the envs every script knows: their gymnasium ids, and the mean reward of 100 episodes that solves them
 ENV_IDS = {"pong": "PongNoFrameskip-v4", "cartpole": "CartPole-v1"}
 STOP_REWARDS = {"pong": 18.0, "cartpole": 195.0}
+FRAME_SKIP = 4   # emulator frames per agent step on Atari: one action, repeated 4 times
 
 
 class FireAndNoopsOnReset(gym.Wrapper):
@@ -60,7 +61,7 @@ def make_classic_env(env, n_envs=1, noop_max=30, render_mode=None):
         one = gym.make(ENV_IDS[env], render_mode=render_mode)
         if atari_game(env):
             one = FireAndNoopsOnReset(one, noop_max)
-            one = gym.wrappers.AtariPreprocessing(one, noop_max=0, frame_skip=4)
+            one = gym.wrappers.AtariPreprocessing(one, noop_max=0, frame_skip=FRAME_SKIP)
             one = gym.wrappers.FrameStackObservation(one, 4, padding_type="zero")
         return one
     return gym.vector.SyncVectorEnv([make_one] * n_envs)
@@ -72,7 +73,7 @@ def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
     if game is None:
         return make_classic_env(env, n_envs)
     return ale_py.vector_env.AtariVectorEnv(
-        game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=4, stack_num=4,
+        game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=FRAME_SKIP, stack_num=4,
         repeat_action_probability=0.0, reward_clipping=False)
 
 
@@ -205,6 +206,15 @@ def unpack_batch_a2c(exps, net, device, gamma):
 
 
 # ---------------------------------------------------------------- tracking and logging
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: the run stops as cleanly."""
+
+
+def raise_terminated(signum, frame):
+    """SIGTERM handler: stop the run like Ctrl-C, to end with exit code 143 rather than 130."""
+    raise Terminated()
+
+
 @contextlib.contextmanager
 def signals_held():
     """Hold Ctrl-C and SIGTERM until the block ends, then deliver them: a KeyboardInterrupt inside
@@ -313,11 +323,12 @@ class RewardTracker:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        """Every stop ends here: Ctrl-C and a dead child process end with a summary, not a traceback."""
-        if exc_type is KeyboardInterrupt:
+        """Every stop ends here: Ctrl-C, SIGTERM and a dead child process end with a summary, not a
+        traceback, and exit codes 130, 143 and 1."""
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             for signum in (signal.SIGINT, signal.SIGTERM):  # a second one (from torchrun, say) must not
                 signal.signal(signum, signal.SIG_IGN)        # cut the summary short
-            self.exit_code = 130
+            self.exit_code = 128 + (signal.SIGTERM if exc_type is Terminated else signal.SIGINT)
         elif exc_type is ChildProcessError:
             print(f"{self.args.script}: error: {exc}", file=sys.stderr, flush=True)
             self.exit_code = 1
@@ -356,11 +367,12 @@ positive_int = bounded_int(1, sys.maxsize, "a positive integer")
 seed_int = bounded_int(0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")
 
 
-def argument_parser(description):
-    """The options every script takes; scripts add their own."""
-    parser = ArgumentParser(description=description)
+def argument_parser(doc):
+    """The options every script takes; scripts add their own. --help shows the first paragraph of
+    the script's docstring: what it does, not how its processes talk."""
+    parser = ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--env", choices=sorted(ENV_IDS), default="pong", help="env (default: pong)")
-    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
+    parser.add_argument("--cuda", action="store_true", help="run the network of every process on the GPU")
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     parser.add_argument("-n", "--name", default="", help="suffix of the run name in runs/")
     parser.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
@@ -373,7 +385,7 @@ def setup(parser, hyperparams):
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops as cleanly as Ctrl-C
+    signal.signal(signal.SIGTERM, raise_terminated)  # a kill stops as cleanly as Ctrl-C
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -384,20 +396,22 @@ def setup(parser, hyperparams):
 # ---------------------------------------------------------------- child processes
 class ChildProcesses:
     """Children started with spawn, each running target(*args, send) with a pipe of its own to this
-    process. Iterating yields what they send, and raises ChildProcessError within a second of any
-    child's death, however it died: a writer killed mid-message gives EOF on its own pipe, never a
-    reader that waits forever. Leaving the with-block stops them all: none is left behind."""
+    process. send(message) returns once this process has taken the message: a child runs at most one
+    message ahead of its reader on every OS, whatever the pipe's buffer holds. Iterating yields what
+    the children send, and raises ChildProcessError as soon as a child is dead, however it died: a
+    child killed mid-message gives EOF on its own pipe, never a reader that waits forever.
+    Leaving the with-block stops them all: none is left behind."""
 
     def __init__(self, target, children):
         """children: {name: args} for each child process."""
         ctx = torch.multiprocessing.get_context("spawn")   # CUDA needs spawn; macOS and Windows use it
-        self.procs, self.readers, self.writers = [], [], []
+        self.procs, self.pipes, self.child_ends = [], [], []
         for name, args in children.items():
-            reader, writer = ctx.Pipe(duplex=False)
-            self.procs.append(ctx.Process(target=_child_main, args=(target, args, writer), name=name,
+            pipe, child_end = ctx.Pipe()
+            self.procs.append(ctx.Process(target=_child_main, args=(target, args, child_end), name=name,
                                           daemon=True))   # ended at exit even if a later start fails
-            self.readers.append(reader)
-            self.writers.append(writer)
+            self.pipes.append(pipe)
+            self.child_ends.append(child_end)
 
     def __enter__(self):
         """Start the children with Ctrl-C ignored, which they inherit (on POSIX): a terminal sends it
@@ -405,9 +419,9 @@ class ChildProcesses:
         children import. A Ctrl-C in the milliseconds that start() takes is lost: press it again."""
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            for proc, writer in zip(self.procs, self.writers):
+            for proc, child_end in zip(self.procs, self.child_ends):
                 proc.start()
-                writer.close()   # now the child holds the only write end: its death gives EOF here
+                child_end.close()   # now the child holds its only end: its death gives EOF here
         finally:
             signal.signal(signal.SIGINT, handler)
         return self
@@ -415,15 +429,17 @@ class ChildProcesses:
     def __iter__(self):
         """What the children send, in the order it arrives, forever."""
         sentinels = {proc.sentinel: proc for proc in self.procs}
-        owners = dict(zip(self.readers, self.procs))
+        owners = dict(zip(self.pipes, self.procs))
         while True:
-            for ready in multiprocessing.connection.wait(self.readers + list(sentinels), timeout=1.0):
+            for ready in multiprocessing.connection.wait(self.pipes + list(sentinels), timeout=1.0):
                 if ready in sentinels:
                     self._died(sentinels[ready])
                 try:
-                    yield ready.recv()
-                except (EOFError, OSError):   # the writer is gone, between messages or in the middle of one
+                    message = ready.recv()
+                    ready.send(None)          # taken: the child may go on while this process works on it
+                except (EOFError, OSError):   # the child is gone, between messages or in the middle of one
                     self._died(owners[ready])
+                yield message
 
     @staticmethod
     def _died(proc):
@@ -442,16 +458,21 @@ class ChildProcesses:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for reader in self.readers:
-            reader.close()
+        for pipe in self.pipes:
+            pipe.close()
 
 
-def _child_main(target, args, writer):
-    """What a child runs: the script's target, sending through its own pipe."""
+def _child_main(target, args, pipe):
+    """What a child runs: the script's target, with a send that waits until the message is taken."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # on Windows too, where it is not inherited
+
+    def send(message):
+        pipe.send(message)
+        pipe.recv()   # the main process's word that it took the message
+
     try:
-        target(*args, writer.send)
-    except BrokenPipeError:   # the main process is gone: nobody is left to send to
+        target(*args, send)
+    except (BrokenPipeError, ConnectionResetError, EOFError):   # the main process is gone
         sys.exit(1)
 
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster: no gradient where none is needed, and several envs stepped as one batch
-by ale-py's C++ vector env."""
+by ale-py's C++ vector env.
+
+A training step comes once a step of all N envs, so once every N frames, and samples 32 x N: the
+samples per frame stay dqn_baseline's 32. target_sync counts training steps, as in the book, so with
+N envs the target net syncs every 1,000 x N frames, and Adam takes 1/N as many steps."""
 import copy
 import sys
 

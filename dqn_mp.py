@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
 
+The play process sends each step's experience and waits until the learner has taken it, not until
+the learner has trained on it: play overlaps training and runs at most one step ahead of it.
+
 What crosses the process boundary: the weights, which the learner publishes in shared CPU memory
 after every training step and the play process copies into a network of its own on the run's
 device (the GPU with --cuda), and numpy experience through the pipe. No GPU tensor crosses it."""
@@ -94,7 +97,7 @@ def play_func(params, args, weights, send):
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     for exps in exp_source:
         epsilon = epsilon_by_frame(params, exp_source.frames)
-        # blocks until the learner reads it, so play runs at most one step ahead of training
+        # returns once the learner has taken it: play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
         weights.refresh(net)  # every step, as the learner publishes: play lags one training step (GPU)
 

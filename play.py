@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Watch a trained agent: rebuild the network of a run's best.pt with the script that trained it,
-play episodes on a fresh env, print each score and, last, one JSON line (episodes, mean, min, max).
+play episodes on a fresh env (DQN agents greedily, A3C agents sampling from their policy), print
+each score and, last, one JSON line (episodes, mean, min, max); --record writes a GIF.
 
-DQN agents act greedily. A3C agents sample their actions from the policy, as they did in training:
-the scores are those of the policy that was trained and measured, not of its most likely action,
-a different policy that training never played."""
-import argparse
+A3C agents sample their actions as they did in training: the scores are those of the policy that
+was trained and measured, not of its most likely action, a different policy that training never
+played."""
 import importlib
 import json
 import os
@@ -69,15 +69,23 @@ def play(env, agent, episodes, seed, frames=None):
     return scores
 
 
-def save_gif(frames, file):
-    """An animated GIF of the frames at the agent's pace for Atari: 60 emulator frames a second,
-    4 to an agent step, so 15 a second (GIF counts hundredths: 70 ms)."""
+def frame_ms(env_name, env):
+    """How long the game shows one agent step, in milliseconds, rounded to the hundredths of a second
+    that GIF counts: an Atari console draws 60 frames a second and an agent step is 4 of them (67 ms,
+    so 70); other envs give their pace in their metadata (CartPole: 50 a second, 20 ms)."""
+    if common.atari_game(env_name):
+        return round(100 * common.FRAME_SKIP / 60) * 10
+    return round(100 / env.metadata["render_fps"]) * 10
+
+
+def save_gif(frames, file, ms):
+    """An animated GIF of the frames, ms milliseconds each."""
     images = [Image.fromarray(frame) for frame in frames]
-    images[0].save(file, format="GIF", save_all=True, append_images=images[1:], duration=70, loop=0)
+    images[0].save(file, format="GIF", save_all=True, append_images=images[1:], duration=ms, loop=0)
 
 
 if __name__ == "__main__":
-    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
     parser.add_argument("--episodes", type=common.positive_int, default=10, help="episodes to play (default: 10)")
     parser.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")
@@ -106,7 +114,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         sys.exit(130)
     if gif:
-        save_gif(frames, gif)
+        save_gif(frames, gif, frame_ms(checkpoint["env"], env))
         gif.close()
     print(json.dumps({"episodes": len(scores), "mean": float(np.mean(scores)),
                       "min": min(scores), "max": max(scores)}))

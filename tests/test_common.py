@@ -372,7 +372,6 @@ def fake_env():
 
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert common.STOP_REWARDS["pong"] == 18
     with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
         assert not tracker.solved
@@ -540,3 +539,40 @@ def test_child_process_copy_follows_what_the_learner_publishes(device):
                     learner.weight += 1
                 weights.publish(learner)
             assert count < 200
+
+
+# ---------------------------------------------------------------- ChildProcesses
+def count_up(counter, send):
+    """Child process: announce each message's number in shared memory, then send it, forever."""
+    for number in range(10 ** 6):
+        counter.value = number
+        send(number)
+
+
+def test_a_child_sends_at_most_one_message_ahead_of_a_slow_reader():
+    counter = torch.multiprocessing.get_context("spawn").Value("l", -1)
+    ahead = []
+    with common.ChildProcesses(count_up, {"child": (counter,)}) as messages:
+        for number in messages:
+            time.sleep(0.02)                      # a slow reader: a free child would be far ahead
+            ahead.append(counter.value - number)
+            if number == 30:
+                break
+    # the child may start the next message once this one is taken, and no more: its numbers are
+    # tiny messages, hundreds of which fit in any pipe's buffer
+    assert set(ahead) == {1}
+
+
+def crash(send):
+    """Child process: send one message, then fail."""
+    send("hello")
+    raise RuntimeError("injected crash")
+
+
+def test_a_crashed_child_ends_the_iteration_with_its_name_and_exit_code():
+    received = []
+    with pytest.raises(ChildProcessError, match="^child exited with code 1$"):
+        with common.ChildProcesses(crash, {"child": ()}) as messages:
+            for message in messages:
+                received.append(message)
+    assert received == ["hello"]

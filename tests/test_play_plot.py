@@ -1,7 +1,8 @@
-"""play.py and plot.py on the runs that the scripts leave behind: a CartPole run trained until
-solved, and a tiny Pong run."""
+"""play.py and plot.py on the runs that the scripts leave behind: a short CartPole run, a CartPole
+run trained until solved and a tiny Pong run (those two in the slow set)."""
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -9,12 +10,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.tensorboard import SummaryWriter
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, REPO)
 import dqn_baseline  # noqa: E402
 import play  # noqa: E402
 import plot  # noqa: E402
+
+slow = pytest.mark.slow
 
 
 def run(script, *args, cwd):
@@ -24,6 +28,20 @@ def run(script, *args, cwd):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def run_in_process(script, *args, cwd, monkeypatch, capsys):
+    """Run a script's command line in this process, in cwd; returns (exit code, stdout, stderr)."""
+    path = os.path.join(REPO, f"{script}.py")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def trained_run(tmp_path_factory, script, *args):
     """The run folder a script leaves behind."""
     cwd = tmp_path_factory.mktemp(script)
@@ -31,6 +49,12 @@ def trained_run(tmp_path_factory, script, *args):
     assert code == 0, err
     (run_dir,) = (cwd / "runs").iterdir()
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """DQN on CartPole for 2,000 frames: a hundred episodes or so, far from solved."""
+    return trained_run(tmp_path_factory, "dqn_fast", "--env", "cartpole", "--max-frames", "2000")
 
 
 @pytest.fixture(scope="module")
@@ -59,27 +83,47 @@ def assert_one_line_error(code, out, err, message):
 
 
 # ---------------------------------------------------------------- checkpoints
-def test_best_pt_carries_what_rebuilds_the_net(cartpole_run):
-    checkpoint = torch.load(cartpole_run / "best.pt", weights_only=True)
+def test_best_pt_carries_what_rebuilds_the_net(short_run):
+    checkpoint = torch.load(short_run / "best.pt", weights_only=True)
     assert {k: checkpoint[k] for k in ("script", "env", "obs_shape", "n_actions")} == {
-        "script": "dqn_baseline", "env": "cartpole", "obs_shape": (4,), "n_actions": 2}
+        "script": "dqn_fast", "env": "cartpole", "obs_shape": (4,), "n_actions": 2}
+    assert checkpoint["frames"] > 0 and checkpoint["state_dict"].keys() == dqn_baseline.DQN((4,), 2).state_dict().keys()
+
+
+@slow
+def test_best_pt_of_a_solved_run_holds_its_solving_mean(cartpole_run):
+    checkpoint = torch.load(cartpole_run / "best.pt", weights_only=True)
     assert checkpoint["mean_reward"] >= 195 and checkpoint["frames"] > 0
 
 
 # ---------------------------------------------------------------- play.py
+def test_play_cartpole_and_record_a_gif_at_the_game_pace(short_run, tmp_path):
+    code, out, err = run("play", str(short_run), "--episodes", "3", "--record", "game.gif", cwd=tmp_path)
+    assert code == 0, err
+    scores, result = scores_and_result(out)
+    assert len(scores) == result["episodes"] == 3
+    assert result["mean"] == pytest.approx(sum(scores) / 3)
+    assert (result["min"], result["max"]) == (min(scores), max(scores))
+    durations, size = gif_durations(tmp_path / "game.gif")
+    # the first episode, a frame of 20 ms (CartPole renders 50 a second) for each of its steps (a
+    # step scores 1); Pillow stores a frame that repeats the one before as a longer one
+    assert sum(durations) == 20 * scores[0] and size == (600, 400)
+    assert len(durations) > 1 and all(ms % 20 == 0 for ms in durations)
+
+
+@slow
 def test_play_scores_the_trained_dqn_greedily(cartpole_run, tmp_path):
     code, out, err = run("play", str(cartpole_run), "--episodes", "5", cwd=tmp_path)
     assert code == 0, err
     scores, result = scores_and_result(out)
     assert len(scores) == result["episodes"] == 5
-    assert result["mean"] == pytest.approx(sum(scores) / 5)
-    assert (result["min"], result["max"]) == (min(scores), max(scores))
     # pushing one way topples the pole in about 10 steps; trained nets (seeds 1-5) kept it up 130-500
     assert result["mean"] >= 50
     # the same seed plays the same episodes
     assert run("play", str(cartpole_run / "best.pt"), "--episodes", "5", cwd=tmp_path)[1] == out
 
 
+@slow
 def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     checkpoint = play.load_checkpoint(str(cartpole_run))
     agent = play.build_agent(checkpoint, torch.device("cpu"))
@@ -92,13 +136,25 @@ def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     assert (agent(states) == greedy).all()
 
 
+@slow
 def test_play_a3c_on_pong_and_record_a_gif(pong_run, tmp_path):
     code, out, err = run("play", str(pong_run), "--episodes", "2", "--record", "game.gif", cwd=tmp_path)
     assert code == 0, err
     scores, result = scores_and_result(out)
     assert result["episodes"] == 2 and all(-21 <= score <= 21 for score in scores)
-    with Image.open(tmp_path / "game.gif") as gif:
-        assert gif.n_frames > 100 and gif.size == (160, 210)   # a whole game, as the screen shows it
+    durations, size = gif_durations(tmp_path / "game.gif")
+    assert len(durations) > 100 and size == (160, 210)         # a whole game, as the screen shows it
+    assert all(ms % 70 == 0 for ms in durations)               # 4 frames of a 60 Hz console: 67 ms
+
+
+def gif_durations(path):
+    """The milliseconds of each frame of a GIF, and its size."""
+    with Image.open(path) as gif:
+        durations = []
+        for index in range(gif.n_frames):
+            gif.seek(index)
+            durations.append(gif.info["duration"])
+        return durations, gif.size
 
 
 def write_checkpoint(path, **changes):
@@ -109,7 +165,7 @@ def write_checkpoint(path, **changes):
     torch.save({k: v for k, v in checkpoint.items() if v is not None}, path)
 
 
-@pytest.mark.parametrize("make, args, message", [
+PLAY_BAD_INPUT = [
     (lambda d: None, ["missing.pt"], "no such checkpoint"),
     (lambda d: None, ["."], "no such checkpoint"),  # a folder without best.pt
     (lambda d: (d / "best.pt").write_text("not a checkpoint"), ["best.pt"], "is not a checkpoint"),
@@ -119,33 +175,46 @@ def write_checkpoint(path, **changes):
     (lambda d: write_checkpoint(d / "best.pt", script="dqn_nowhere"), ["best.pt"], "unknown here"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--record", "no/such/dir/game.gif"], "cannot write"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--episodes", "0"], "positive integer"),
-])
-def test_play_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path):
+]
+PLAY_BAD_INPUT += [] if torch.cuda.is_available() else [
+    (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--cuda"], "no CUDA device")]
+
+
+@pytest.mark.parametrize("make, args, message", PLAY_BAD_INPUT)
+def test_play_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, monkeypatch, capsys):
     make(tmp_path)
-    assert_one_line_error(*run("play", *args, cwd=tmp_path), message)
+    assert_one_line_error(*run_in_process("play", *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys),
+                          message)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_play_cuda_without_a_gpu_ends_with_one_line(cartpole_run, tmp_path):
-    assert_one_line_error(*run("play", str(cartpole_run), "--cuda", cwd=tmp_path), "no CUDA device")
+def test_play_and_plot_bad_input_from_the_shell_exit_with_code_2(tmp_path):
+    assert_one_line_error(*run("play", "missing.pt", cwd=tmp_path), "no such checkpoint")
+    assert_one_line_error(*run("plot", "missing", cwd=tmp_path), "no such run folder")
 
 
 # ---------------------------------------------------------------- plot.py
 @pytest.mark.parametrize("x", ["frames", "minutes"])
-def test_plot_writes_a_png(cartpole_run, x, tmp_path):
-    code, out, err = run("plot", str(cartpole_run), "--x", x, "-o", "curve.png", cwd=tmp_path)
+def test_plot_writes_a_png(short_run, x, tmp_path, monkeypatch, capsys):
+    code, _, err = run_in_process("plot", str(short_run), "--x", x, "-o", "curve.png", cwd=tmp_path,
+                                  monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0, err
     with Image.open(tmp_path / "curve.png") as png:
         assert png.format == "PNG" and png.size == (800, 450)
 
 
-def test_plot_curve_is_the_logged_mean_against_frames_or_minutes(cartpole_run):
-    folder, frames, means = plot.load_curve(str(cartpole_run), "frames")
-    _, minutes, same_means = plot.load_curve(str(cartpole_run), "minutes")
-    assert folder == cartpole_run.name and same_means == means
-    assert len(means) > 100 and means[-1] >= 195          # the run ends when solved
-    assert frames == sorted(frames) and 0 < frames[0] < frames[-1] <= 100_000
-    assert minutes == sorted(minutes) and 0 <= minutes[0] < minutes[-1] < 10
+def test_plot_curve_is_the_logged_mean_against_frames_or_minutes(short_run):
+    folder, frames, means = plot.load_curve(str(short_run), "frames")
+    _, minutes, same_means = plot.load_curve(str(short_run), "minutes")
+    assert folder == short_run.name and same_means == means
+    assert len(means) > 50                                # one point per finished episode
+    assert frames == sorted(frames) and 0 < frames[0] < frames[-1] <= 2000
+    assert minutes == sorted(minutes) and 0 <= minutes[0] < minutes[-1]
+
+
+@slow
+def test_plot_curve_of_a_solved_run_ends_at_the_stop_reward(cartpole_run):
+    _, _, means = plot.load_curve(str(cartpole_run), "frames")
+    assert means[-1] >= 195 > means[0]
 
 
 def test_plot_labels_are_script_env_and_name_with_the_time_only_where_needed():
@@ -154,16 +223,26 @@ def test_plot_labels_are_script_env_and_name_with_the_time_only_where_needed():
     assert plot.labels(folders) == folders[:2] + ["a3c_data-pong"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["missing"], "no such run folder: missing"),
-    (["."], "holds no TensorBoard events"),
+def events_without_episodes(folder):
+    """A run folder whose events hold training scalars but no finished episode."""
+    with SummaryWriter(str(folder)) as writer:
+        writer.add_scalar("train/loss", 0.5, 100)
+    return folder
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda d: None, ["missing"], "no such run folder: missing"),
+    (lambda d: None, ["."], "holds no TensorBoard events"),
+    (lambda d: events_without_episodes(d / "run"), ["run"], "no finished episode yet"),
 ])
-def test_plot_bad_input_ends_with_one_line_and_exit_code_2(args, message, tmp_path):
-    assert_one_line_error(*run("plot", *args, cwd=tmp_path), message)
+def test_plot_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, monkeypatch, capsys):
+    make(tmp_path)
+    assert_one_line_error(*run_in_process("plot", *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys),
+                          message)
     assert not (tmp_path / "reward.png").exists()
 
 
-def test_plot_run_without_episodes_or_unwritable_output_ends_with_one_line(pong_run, cartpole_run, tmp_path):
-    assert_one_line_error(*run("plot", str(pong_run), cwd=tmp_path), "no finished episode yet")
-    assert_one_line_error(*run("plot", str(cartpole_run), "-o", "no/such/dir/curve.png", cwd=tmp_path),
+def test_plot_unwritable_output_ends_with_one_line(short_run, tmp_path, monkeypatch, capsys):
+    assert_one_line_error(*run_in_process("plot", str(short_run), "-o", "no/such/dir/curve.png", cwd=tmp_path,
+                                          monkeypatch=monkeypatch, capsys=capsys),
                           "cannot write no/such/dir/curve.png")
