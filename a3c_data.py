@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """A3C on Pong, data parallel: worker processes play and send training samples to one learner.
 
-What crosses the process boundary: the weights, which the learner publishes in shared CPU memory
-after every training step and each worker copies into a network of its own on the run's device
-(the GPU with --cuda), to act and to compute the bootstrap values; and numpy samples through a pipe
-per worker. No GPU tensor crosses it."""
+What crosses the process boundary: numpy samples through a pipe per worker, and the weights in
+shared CPU memory, with which the workers act and compute the bootstrap values. On the CPU the
+workers use the learner's network itself, which the learner's optimizer steps change while they
+play. With --cuda the learner publishes the weights there after every training step, and each
+worker copies them into a network of its own on the GPU after every micro-batch it sends, so a
+micro-batch is played and valued with one set of weights. No GPU tensor crosses the boundary."""
 import sys
 
 import numpy as np
@@ -18,7 +20,7 @@ import common
 PONG = dict(
     gamma=0.99,
     # 3e-3, not the book's 1e-3: with 1e-3 a3c_data was still at -20.15 after 2.2M frames;
-    # with 3e-3 it solved Pong at 4.03M frames (README, Results)
+    # with 3e-3 it solved Pong at 4.03M frames (docs/RESULTS.md)
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,

@@ -25,7 +25,7 @@ PONG = dict(
     gamma=0.99,
     # 3e-3, as in a3c_data, not the book's 1e-3; it needs the synchronous steps of grads_func:
     # with gradients that land on newer weights than they were taken at, the value never learns at
-    # 3e-3 (README, Results)
+    # 3e-3 (docs/RESULTS.md)
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,

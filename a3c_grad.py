@@ -3,11 +3,13 @@
 worker computes a gradient on its own samples, the main process averages one from each worker
 into one optimizer step, and every worker waits for that step before its next gradient.
 
-What crosses the process boundary: the weights, which the main process publishes in shared CPU
-memory after every optimizer step and each worker copies into a network of its own on the run's
-device (the GPU with --cuda), to act and to compute the loss and its gradient; the number of
-optimizer steps made, in shared memory too; and the gradients, as numpy arrays through a pipe per
-worker, which the main process averages on the device. No GPU tensor crosses it."""
+What crosses the process boundary: the gradients, as numpy arrays through a pipe per worker, which
+the main process averages on the run's device; the number of optimizer steps made, in shared
+memory; and the weights in shared CPU memory, with which the workers act and compute their loss.
+On the CPU the workers use the main process's network itself; with --cuda the main process
+publishes the weights there after every optimizer step, and each worker copies them into a network
+of its own on the GPU. Either way a worker takes its gradient at the weights of the step it waited
+for. No GPU tensor crosses the boundary."""
 import multiprocessing
 import sys
 import time
@@ -23,7 +25,7 @@ PONG = dict(
     gamma=0.99,
     # 3e-3, as in a3c_data, not the book's 1e-3; it needs the synchronous steps of grads_func:
     # with gradients that land on newer weights than they were taken at, the value never learns at
-    # 3e-3 (README, Results)
+    # 3e-3 (docs/RESULTS.md)
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,

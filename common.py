@@ -481,9 +481,9 @@ class SharedWeights:
     """The learner's weights in shared CPU memory, published after every optimizer step. Each child
     keeps a copy of its own on the run's device and refreshes it from here: no GPU tensor crosses a
     process boundary, so this works where CUDA IPC does not (Windows). On the CPU the learner's
-    network itself is shared, and publish and refresh do nothing: copying cost 4 to 9% of the frames
-    per second on 2 cores (Pong, 3 interleaved runs each, medians of train fps: a3c_data 794 -> 742,
-    a3c_grad 831 -> 796, dqn_mp 54.8 -> 50.1)."""
+    network itself is shared, and publish and refresh do nothing: the children act on it while the
+    learner's optimizer steps write it, because copying cost 4 to 9% of the frames per second on
+    2 cores (docs/RESULTS.md)."""
 
     def __init__(self, net):
         on_cpu = next(net.parameters()).device.type == "cpu"

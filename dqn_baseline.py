@@ -57,6 +57,7 @@ def epsilon_by_frame(params, frames):
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
+
 def select_actions(net, states, epsilon, device):
     """Epsilon-greedy actions for a batch of states."""
     q_vals = net(torch.as_tensor(states, device=device))

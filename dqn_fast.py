@@ -62,6 +62,7 @@ def epsilon_by_frame(params, frames):
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
+
 @torch.no_grad()  # acting needs no graph
 def select_actions(net, states, epsilon, device):
     """Epsilon-greedy actions for a batch of states."""

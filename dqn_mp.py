@@ -4,9 +4,11 @@
 The play process sends each step's experience and waits until the learner has taken it, not until
 the learner has trained on it: play overlaps training and runs at most one step ahead of it.
 
-What crosses the process boundary: the weights, which the learner publishes in shared CPU memory
-after every training step and the play process copies into a network of its own on the run's
-device (the GPU with --cuda), and numpy experience through the pipe. No GPU tensor crosses it."""
+What crosses the process boundary: numpy experience through the pipe, and the weights in shared
+CPU memory. On the CPU the play process acts with the learner's network itself, which the learner's
+optimizer steps change while it plays. With --cuda the learner publishes the weights there after
+every training step, and the play process copies them into a network of its own on the GPU after
+every step it sends. No GPU tensor crosses the boundary."""
 import copy
 import sys
 
