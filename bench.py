@@ -108,14 +108,14 @@ def cpu_model():
 
 
 def commit():
-    """The git commit of these scripts, with "+changes" if the work tree differs from it."""
+    """The git commit of these scripts, with "+changes" where tracked files differ from it."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
     try:
-        head = git("rev-parse", "--short", "HEAD")
-        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+        head, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except OSError:   # no git here
         return "unknown"
+    return head + ("+changes" if changes else "") if head else "unknown"
 
 
 def tree_rss(pid):

@@ -343,7 +343,11 @@ class RewardTracker:
 
 # ---------------------------------------------------------------- command line
 class ArgumentParser(argparse.ArgumentParser):
-    """Bad input ends with one line and exit code 2, not a usage dump."""
+    """Bad input ends with one line and exit code 2, not a usage dump. --help shows the first
+    paragraph of the description (a script's docstring): what it does, not how its processes talk."""
+
+    def __init__(self, description, **kwargs):
+        super().__init__(description=description.split("\n\n")[0], **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -367,10 +371,9 @@ positive_int = bounded_int(1, sys.maxsize, "a positive integer")
 seed_int = bounded_int(0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")
 
 
-def argument_parser(doc):
-    """The options every script takes; scripts add their own. --help shows the first paragraph of
-    the script's docstring: what it does, not how its processes talk."""
-    parser = ArgumentParser(description=doc.split("\n\n")[0])
+def argument_parser(description):
+    """The options every script takes; scripts add their own."""
+    parser = ArgumentParser(description)
     parser.add_argument("--env", choices=sorted(ENV_IDS), default="pong", help="env (default: pong)")
     parser.add_argument("--cuda", action="store_true", help="run the network of every process on the GPU")
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")

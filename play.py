@@ -85,7 +85,7 @@ def save_gif(frames, file, ms):
 
 
 if __name__ == "__main__":
-    parser = common.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.ArgumentParser(__doc__)
     parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
     parser.add_argument("--episodes", type=common.positive_int, default=10, help="episodes to play (default: 10)")
     parser.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")

@@ -39,7 +39,7 @@ def labels(folders):
 
 
 if __name__ == "__main__":
-    parser = common.ArgumentParser(description=__doc__)
+    parser = common.ArgumentParser(__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
     parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
                         help="where to write the plot (default: reward.png)")

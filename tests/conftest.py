@@ -1,5 +1,12 @@
 """Plain `pytest` runs the fast tests; `pytest --all` adds those marked slow (learning CartPole,
 the whole stop and signal matrix, Pong and torchrun runs, play and plot on a trained run)."""
+import os
+import runpy
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
@@ -17,3 +24,18 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+@pytest.fixture
+def run_main(monkeypatch):
+    """Run a script's command line in this process, as `python script.py ARGS` would; returns its exit
+    code (0 when it returns without sys.exit)."""
+    def run(script, *args):
+        path = os.path.join(REPO, f"{script}.py")
+        monkeypatch.setattr(sys, "argv", [path, *args])
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit_info:
+            return exit_info.code
+        return 0
+    return run

@@ -2,7 +2,6 @@
 run trained until solved and a tiny Pong run (those two in the slow set)."""
 import json
 import os
-import runpy
 import subprocess
 import sys
 
@@ -28,18 +27,15 @@ def run(script, *args, cwd):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def run_in_process(script, *args, cwd, monkeypatch, capsys):
-    """Run a script's command line in this process, in cwd; returns (exit code, stdout, stderr)."""
-    path = os.path.join(REPO, f"{script}.py")
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [path, *args])
-    code = 0
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def in_process(run_main, monkeypatch, tmp_path, capsys):
+    """run_main in tmp_path; returns (exit code, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(script, *args):
+        code = run_main(script, *args)
+        return (code, *capsys.readouterr())
+    return run
 
 
 def trained_run(tmp_path_factory, script, *args):
@@ -181,10 +177,9 @@ PLAY_BAD_INPUT += [] if torch.cuda.is_available() else [
 
 
 @pytest.mark.parametrize("make, args, message", PLAY_BAD_INPUT)
-def test_play_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, monkeypatch, capsys):
+def test_play_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, in_process):
     make(tmp_path)
-    assert_one_line_error(*run_in_process("play", *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys),
-                          message)
+    assert_one_line_error(*in_process("play", *args), message)
 
 
 def test_play_and_plot_bad_input_from_the_shell_exit_with_code_2(tmp_path):
@@ -194,9 +189,8 @@ def test_play_and_plot_bad_input_from_the_shell_exit_with_code_2(tmp_path):
 
 # ---------------------------------------------------------------- plot.py
 @pytest.mark.parametrize("x", ["frames", "minutes"])
-def test_plot_writes_a_png(short_run, x, tmp_path, monkeypatch, capsys):
-    code, _, err = run_in_process("plot", str(short_run), "--x", x, "-o", "curve.png", cwd=tmp_path,
-                                  monkeypatch=monkeypatch, capsys=capsys)
+def test_plot_writes_a_png(short_run, x, tmp_path, in_process):
+    code, _, err = in_process("plot", str(short_run), "--x", x, "-o", "curve.png")
     assert code == 0, err
     with Image.open(tmp_path / "curve.png") as png:
         assert png.format == "PNG" and png.size == (800, 450)
@@ -235,14 +229,12 @@ def events_without_episodes(folder):
     (lambda d: None, ["."], "holds no TensorBoard events"),
     (lambda d: events_without_episodes(d / "run"), ["run"], "no finished episode yet"),
 ])
-def test_plot_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, monkeypatch, capsys):
+def test_plot_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, in_process):
     make(tmp_path)
-    assert_one_line_error(*run_in_process("plot", *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys),
-                          message)
+    assert_one_line_error(*in_process("plot", *args), message)
     assert not (tmp_path / "reward.png").exists()
 
 
-def test_plot_unwritable_output_ends_with_one_line(short_run, tmp_path, monkeypatch, capsys):
-    assert_one_line_error(*run_in_process("plot", str(short_run), "-o", "no/such/dir/curve.png", cwd=tmp_path,
-                                          monkeypatch=monkeypatch, capsys=capsys),
+def test_plot_unwritable_output_ends_with_one_line(short_run, in_process):
+    assert_one_line_error(*in_process("plot", str(short_run), "-o", "no/such/dir/curve.png"),
                           "cannot write no/such/dir/curve.png")

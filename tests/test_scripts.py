@@ -252,21 +252,13 @@ BAD_COUNTS = [("dqn_fast", "--envs"), ("dqn_mp", "--envs"), ("a3c_data", "--envs
 
 
 @pytest.fixture
-def in_process(monkeypatch):
-    """Run a script's command line here, as `python script.py ARGS` would: returns its exit code.
-    It must exit before any work: an env made here fails the test."""
+def in_process(run_main, monkeypatch):
+    """run_main for a command line that must exit before any work: an env made here fails the test."""
     def refuse(*args, **kwargs):
         raise AssertionError("the script went past its checks")
     monkeypatch.setattr(common, "make_fast_env", refuse)
     monkeypatch.setattr(common, "make_classic_env", refuse)
     handler = signal.getsignal(signal.SIGTERM)   # setup() sets its own
-
-    def run_main(script, *args):
-        path = os.path.join(REPO, f"{script}.py")
-        monkeypatch.setattr(sys, "argv", [path, *args])
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(path, run_name="__main__")
-        return exit_info.value.code
     yield run_main
     signal.signal(signal.SIGTERM, handler)
 
