@@ -20,7 +20,7 @@ import a3c_data
 import common
 import dqn_fast
 
-SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "a3c_data", "a3c_grad", "a3c_dist"]
+SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad", "a3c_dist"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

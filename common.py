@@ -252,13 +252,13 @@ class RewardTracker:
         self.frames = self.episodes = 0
         self.best_mean = self.train_start = None
         self.solved, self.exit_code = False, 0
-        self.start = time.perf_counter()
+        self.start = self.updated = time.perf_counter()
         self.last_print = (0, self.start)
 
     @signals_held()
     def update(self, frames, episodes):
         """Record the frame count and finished (reward, steps) episodes; True when it is time to stop."""
-        self.frames = frames
+        self.frames, self.updated = frames, time.perf_counter()
         for reward, steps in episodes:
             self.episode(reward, steps)
             if self.solved:  # the run ends here: later episodes must not move the mean it solved at
@@ -297,8 +297,8 @@ class RewardTracker:
     @signals_held()
     def train(self, **scalars):
         """Log training scalars as train/<name>; a loss also feeds train/avg_loss."""
-        if self.train_start is None:
-            self.train_start = (self.frames, time.perf_counter())
+        if self.train_start is None:  # training began after the last update: count its first step (a compile)
+            self.train_start = (self.frames, self.updated)
         for name, value in scalars.items():
             self.writer.add_scalar(f"train/{name}", value, self.frames)
         if "loss" in scalars:

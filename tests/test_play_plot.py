@@ -120,6 +120,16 @@ def test_play_scores_the_trained_dqn_greedily(cartpole_run, tmp_path):
 
 
 @slow
+def test_play_scores_the_dqn_that_dqn_compile_trained(tmp_path_factory, tmp_path):
+    run_dir = trained_run(tmp_path_factory, "dqn_compile", "--env", "cartpole", "--seed", "1")
+    state_dict = torch.load(run_dir / "best.pt", weights_only=True)["state_dict"]
+    assert state_dict.keys() == dqn_baseline.DQN((4,), 2).state_dict().keys()   # the plain net's names
+    code, out, err = run("play", str(run_dir), "--episodes", "5", cwd=tmp_path)
+    assert code == 0, err
+    assert scores_and_result(out)[1]["mean"] >= 50
+
+
+@slow
 def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     checkpoint = play.load_checkpoint(str(cartpole_run))
     agent = play.build_agent(checkpoint, torch.device("cpu"))

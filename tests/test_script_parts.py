@@ -15,10 +15,11 @@ import a3c_dist  # noqa: E402
 import a3c_grad  # noqa: E402
 import common  # noqa: E402
 import dqn_baseline  # noqa: E402
+import dqn_compile  # noqa: E402
 import dqn_fast  # noqa: E402
 import dqn_mp  # noqa: E402
 
-DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp]
+DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp, dqn_compile]
 GAMMA = 0.5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="no CUDA device"))]
@@ -28,7 +29,7 @@ A3C_MODULES = [a3c_data, a3c_grad]
 # ---------------------------------------------------------------- the copies between scripts
 @pytest.mark.parametrize("modules, names", [
     (DQN_MODULES, ["PONG", "CARTPOLE", "HYPERPARAMS", "DQN", "epsilon_by_frame"]),
-    ([dqn_fast, dqn_mp], ["select_actions", "calc_loss_dqn"]),
+    ([dqn_fast, dqn_mp, dqn_compile], ["select_actions", "calc_loss_dqn"]),
     (A3C_MODULES, ["A2C", "select_actions", "calc_loss_a2c"]),
 ])
 def test_copies_between_scripts_are_identical(modules, names):
@@ -136,6 +137,26 @@ def test_calc_loss_dqn_by_hand(module):
     assert loss.item() == pytest.approx(((2 - 21) ** 2 + (3 + 1) ** 2) / 2)      # 188.5
     loss.backward()
     assert tgt_net.table.grad is None                 # the target is a constant
+
+
+def test_dqn_compile_training_step_compiled_leaves_the_weights_an_eager_one_does():
+    torch.manual_seed(0)
+    nets, tgt_net = [dqn_compile.DQN((4,), 2) for _ in range(2)], dqn_compile.DQN((4,), 2)
+    nets[1].load_state_dict(nets[0].state_dict())
+    start = [p.detach().clone() for p in nets[0].parameters()]
+    rng = np.random.default_rng(0)
+    batch = tuple(torch.as_tensor(a) for a in (
+        rng.normal(size=(96, 4)).astype(np.float32), rng.integers(2, size=96), rng.normal(size=96).astype(np.float32),
+        rng.random(96) < 0.2, rng.normal(size=(96, 4)).astype(np.float32)))
+    optimizers = [torch.optim.Adam(net.parameters(), lr=1e-3) for net in nets]
+    steps = [dqn_compile.train_step, torch.compile(dqn_compile.train_step)]
+    for _ in range(3):
+        eager, compiled = [step(batch, net, tgt_net, optimizer, GAMMA, "cpu")
+                           for step, net, optimizer in zip(steps, nets, optimizers)]
+        assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+    for eager, compiled, before in zip(nets[0].parameters(), nets[1].parameters(), start):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(eager, before)   # every weight moved: the steps were real
 
 
 class FixedA2C(torch.nn.Module):

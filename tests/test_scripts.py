@@ -19,10 +19,10 @@ sys.path.insert(0, REPO)
 import common  # noqa: E402
 import dqn_fast  # noqa: E402
 
-DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp"]
+DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
 MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
-CHILDREN = {"dqn_baseline": [], "dqn_fast": [], "dqn_mp": ["play process"],
+CHILDREN = {"dqn_baseline": [], "dqn_fast": [], "dqn_mp": ["play process"], "dqn_compile": [],
             "a3c_data": [f"worker {i}" for i in range(4)], "a3c_grad": [f"worker {i}" for i in range(4)]}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="no CUDA device"))]
@@ -247,7 +247,8 @@ BAD_INPUT = [(["--env", "mars"], "invalid choice"), (["--max-frames", "-1"], "po
              (["--max-frames", "lots"], "positive integer"), (["--seed", "x"], "expected an integer"),
              (["--seed", "-1"], "expected an integer"), (["--seed", str(2 ** 40)], "expected an integer")]
 BAD_INPUT += [] if torch.cuda.is_available() else [(["--cuda"], "no CUDA device")]
-BAD_COUNTS = [("dqn_fast", "--envs"), ("dqn_mp", "--envs"), ("a3c_data", "--envs"), ("a3c_grad", "--envs"),
+BAD_COUNTS = [("dqn_fast", "--envs"), ("dqn_mp", "--envs"), ("dqn_compile", "--envs"), ("a3c_data", "--envs"),
+              ("a3c_grad", "--envs"),
               ("a3c_data", "--processes"), ("a3c_grad", "--processes"), ("a3c_dist", "--envs")]
 
 
@@ -302,6 +303,16 @@ def test_bad_input_from_the_shell_exits_with_code_2_and_no_traceback(script, arg
     assert code == 2 and err.count("\n") == 1 and f"{script}.py: error:" in err and out == ""
 
 
+def test_dqn_compile_without_a_working_compiler_ends_with_one_line_and_exit_code_2(tmp_path):
+    # a compiler that is not there, and a cache of its own: no kernel compiled before can stand in
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    code, out, err = run("dqn_compile", "--env", "cartpole", cwd=tmp_path, env=env)
+    assert code == 2 and out == "" and not (tmp_path / "runs").exists(), err
+    (line,) = [line for line in err.splitlines() if "error" in line]
+    assert line.startswith("dqn_compile.py: error: torch.compile fails here (") and "C++ compiler" in line
+    assert "Traceback" not in err
+
+
 # ---------------------------------------------------------------- Pong, tiny budget
 @slow
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -329,7 +340,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
 
 
 # ---------------------------------------------------------------- CartPole learning
-BUDGET = {"dqn_baseline": 100_000, "dqn_fast": 100_000, "dqn_mp": 100_000,
+BUDGET = {"dqn_baseline": 100_000, "dqn_fast": 100_000, "dqn_mp": 100_000, "dqn_compile": 100_000,
           "a3c_data": 1_000_000, "a3c_grad": 1_000_000}
 
 

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""DQN on Pong, compiled: dqn_fast.py with its acting pass and its training step compiled by
+torch.compile, and on the GPU replayed as CUDA graphs.
+
+Each compiled function sees one shape, so each compiles once: acting takes a batch of N states
+without gradient, the training step 32 x N samples with it. Compiling is part of the run: the
+acting pass compiles at start-up (where a machine without a working compiler stops, with one line),
+the training step at the first training step, which train_fps counts. The learning is dqn_fast's:
+same hyperparameters, same samples per frame."""
+import copy
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+
+# ---------------------------------------------------------------- hyperparameters
+PONG = dict(
+    gamma=0.99,
+    learning_rate=1e-4,
+    batch_size=32,
+    replay_size=100_000,
+    replay_start=10_000,      # frames played before the first training step
+    target_sync=1_000,        # training steps between target net syncs
+    epsilon_start=1.0,
+    epsilon_final=0.02,
+    epsilon_frames=100_000,   # frames over which epsilon falls linearly to its final value
+)
+CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
+                epsilon_frames=5_000)   # learns in a minute
+HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
+LOG_EVERY = 100               # training steps between logged losses
+
+
+# ---------------------------------------------------------------- network, agent, loss
+class DQN(nn.Module):
+    """Q-values of every action: the Nature DQN convolutions for frames, a small MLP for vectors."""
+
+    def __init__(self, obs_shape, n_actions):
+        super().__init__()
+        if len(obs_shape) == 3:
+            self.body = nn.Sequential(
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
+                nn.Flatten())
+            hidden = 512
+        else:
+            self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
+            hidden = 128
+        features = self.body(torch.zeros(1, *obs_shape)).shape[1]
+        self.head = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, n_actions))
+
+    def forward(self, x):
+        """Q-values [batch, n_actions] for a batch of observations."""
+        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        return self.head(self.body(x))
+
+
+def epsilon_by_frame(params, frames):
+    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then flat."""
+    fraction = min(frames / params.epsilon_frames, 1.0)
+    return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
+
+
+@torch.no_grad()  # acting needs no graph
+def select_actions(net, states, epsilon, device):
+    """Epsilon-greedy actions for a batch of states."""
+    q_vals = net(torch.as_tensor(states, device=device))
+    actions = q_vals.argmax(dim=1).cpu().numpy()
+    explore = np.random.random(len(actions)) < epsilon
+    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
+    return actions
+
+
+def calc_loss_dqn(batch, net, tgt_net, gamma, device):
+    """MSE between Q(s, a) and the one-step target r + gamma * max Q_target(s')."""
+    states, actions, rewards, dones, last_states = common.unpack_batch_dqn(batch, device)
+    q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():  # no graph for the target: it is a constant
+        next_q = tgt_net(last_states).max(dim=1)[0]
+    next_q[dones] = 0.0
+    return F.mse_loss(q_vals, rewards + gamma * next_q)
+
+
+def train_step(batch, net, tgt_net, optimizer, gamma, device):
+    """One optimizer step on the batch's loss, as one function for torch.compile; returns the loss."""
+    optimizer.zero_grad()
+    loss = calc_loss_dqn(batch, net, tgt_net, gamma, device)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def compile_or_exit(parser, fn, mode, probe_args):
+    """fn compiled, after a first call on probe_args: compilation happens there, and on a machine
+    where it cannot (no C++ compiler, a Python that this torch cannot compile) the run stops now."""
+    compiled = torch.compile(fn, mode=mode)
+    try:
+        compiled(*probe_args)
+    except Exception as e:  # whatever the compiler raised: its first line says why
+        parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
+    return compiled
+
+
+if __name__ == "__main__":
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
+    args, params, device = common.setup(parser, HYPERPARAMS)
+    env = common.make_fast_env(args.env, args.envs)
+    net = DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    tgt_net = copy.deepcopy(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    mode = "reduce-overhead" if args.cuda else None  # on the GPU, a step's kernels replay as one CUDA graph
+    states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
+    with torch.no_grad():  # acting's graph, compiled without gradient
+        act_net = compile_or_exit(parser, net, mode, [states])
+    compiled_step = torch.compile(train_step, mode=mode)
+    buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
+    epsilon = epsilon_by_frame(params, 0)
+    exp_source = common.ExperienceSourceFirstLast(
+        env, lambda states: select_actions(act_net, states, epsilon, device), params.gamma, seed=args.seed)
+    train_steps = 0
+
+    with common.RewardTracker(args, net, env) as tracker:
+        for exps in exp_source:
+            for exp in exps:
+                buffer.append(exp)
+            epsilon = epsilon_by_frame(params, exp_source.frames)
+            if tracker.update(exp_source.frames, exp_source.pop_episodes()):
+                break
+            if len(buffer) < params.replay_start:
+                continue
+            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
+            # tensors on the device before the compiled step: a graph with CPU inputs is no CUDA graph
+            batch = common.unpack_batch_dqn(buffer.sample(params.batch_size * args.envs), device)
+            started = time.perf_counter()
+            loss = compiled_step(batch, net, tgt_net, optimizer, params.gamma, device)
+            train_steps += 1
+            if train_steps == 1:  # torch.compile compiles at the first call: this step pays for it
+                print(f"{exp_source.frames}: first training step, with its compilation, "
+                      f"{time.perf_counter() - started:.1f} s", flush=True)
+            if train_steps % params.target_sync == 0:
+                tgt_net.load_state_dict(net.state_dict())
+            if train_steps % LOG_EVERY == 1:  # .item() waits for the GPU: read the loss now and then
+                tracker.train(loss=loss.item(), epsilon=epsilon)
+    sys.exit(tracker.exit_code)
