@@ -3,16 +3,17 @@
 worker computes a gradient on its own samples, the main process averages one from each worker
 into one optimizer step, and every worker waits for that step before its next gradient.
 
-What crosses the process boundary: the gradients, as numpy arrays through a pipe per worker, which
-the main process averages on the run's device; the number of optimizer steps made, in shared
-memory; and the weights in shared CPU memory, with which the workers act and compute their loss.
-On the CPU the workers use the main process's network itself; with --cuda the main process
-publishes the weights there after every optimizer step, and each worker copies them into a network
-of its own on the GPU. Either way a worker takes its gradient at the weights of the step it waited
-for. No GPU tensor crosses the boundary."""
+What crosses the process boundary: each worker's gradient, written into a slot of its own in shared
+CPU memory, with a small message through its pipe (samples, loss stats, frames, finished episodes);
+back, through a second pipe per worker, the word that the optimizer step is made, which the worker
+waits for without polling, and which ends its wait if the main process dies. The main process
+averages the slots, weighted by samples, on the run's device. The weights are in shared CPU memory,
+with which the workers act and compute their loss: on the CPU the workers use the main process's
+network itself; with --cuda the main process publishes the weights there after every optimizer
+step, and each worker copies them into a network of its own on the GPU. Either way a worker takes
+its gradient at the weights of the step it waited for. No GPU tensor crosses the boundary."""
 import multiprocessing
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -88,9 +89,10 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, weights, steps, worker_id, send):
+def grads_func(params, args, weights, grad_slots, step_made, worker_id, send):
     """Worker process: play its envs with its copy of the published net; for each batch, wait for
-    the optimizer step that took its last gradient, then send the gradient at the new weights."""
+    the optimizer step that took its last gradient, then put the gradient at the new weights in its
+    slot and send what goes with it."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -99,7 +101,7 @@ def grads_func(params, args, weights, steps, worker_id, send):
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * args.envs)
-    batch, frames_sent, step = [], 0, -1
+    batch, frames_sent = [], 0
     for exps in exp_source:
         batch.extend(exps)
         if len(batch) < params.grad_batch:
@@ -107,32 +109,30 @@ def grads_func(params, args, weights, steps, worker_id, send):
         states, actions, ref_vals = common.unpack_batch_a2c(batch, net, device, params.gamma)
         batch.clear()
         # synchronous steps: every gradient a step averages is taken at the weights the step updates
-        step = wait_for_step(steps, step)
+        step_made.recv()  # raises EOFError, which ends this process, if the main process is gone
         weights.refresh(net)  # to that step's weights (GPU)
         net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
-        grads = [p.grad.cpu().numpy() for p in net.parameters()]
+        grad_slots[worker_id].copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))  # no pickling
         stats = {k: v.item() for k, v in stats.items()}
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        send((grads, stats, new_frames, exp_source.pop_episodes()))
+        send((worker_id, len(actions), stats, new_frames, exp_source.pop_episodes()))
 
 
-def wait_for_step(steps, last):
-    """Wait until the main process has made an optimizer step after step number last; return the
-    newest step's number. A worker whose main process is gone has nobody to wait for: it ends."""
-    while int(steps) == last:
-        if not multiprocessing.parent_process().is_alive():
-            raise BrokenPipeError("the main process is gone")
-        time.sleep(0.001)
-    return int(steps)
+def mean_grads(net, grads, samples, device):
+    """Set each parameter's grad to the mean of the workers' gradients (flat rows, each that of the
+    mean loss over a worker's samples) weighted by their samples, taken on device, replacing what was
+    there: the gradient of the mean loss over all the samples."""
+    mean = (torch.tensor(samples, dtype=grads.dtype) @ grads / sum(samples)).to(device)
+    for param, grad in zip(net.parameters(), mean.split([p.numel() for p in net.parameters()])):
+        param.grad = grad.view_as(param)
 
 
-def mean_grads(net, grads_list, device):
-    """Set each parameter's grad to the mean of the workers' gradients, taken on device, replacing
-    what was there: for batches of one size, the gradient of the mean loss over all their samples."""
-    for param, grads in zip(net.parameters(), zip(*grads_list)):
-        param.grad = sum(torch.as_tensor(grad, device=device) for grad in grads) / len(grads)
+def mean_stats(stats_list, samples):
+    """Each loss stat averaged over the workers, weighted by their samples: that of all the samples."""
+    return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
+            for name in stats_list[0]}
 
 
 if __name__ == "__main__":
@@ -146,25 +146,32 @@ if __name__ == "__main__":
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     weights = common.SharedWeights(net)
-    steps = torch.zeros((), dtype=torch.int64).share_memory_()   # optimizer steps made
-    workers = {f"worker {i}": (params, args, weights, steps, i) for i in range(args.processes)}
-    grads_list, frames = [], 0
+    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters())).share_memory_()
+    step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
+    workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
+               for i in range(args.processes)}
+    taken, frames = {}, 0   # worker id: (samples, loss stats) of the gradient in its slot
 
     with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
-        for grads, stats, new_frames, episodes in train_queue:
+        for _, step_made in step_pipes:
+            step_made.send(None)  # step 0, the initial weights: every worker takes its first gradient
+        for worker_id, samples, stats, new_frames, episodes in train_queue:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
             # the main process only applies gradients: it averages one from each worker into one step
-            grads_list.append(grads)
-            if len(grads_list) < args.processes:
+            taken[worker_id] = samples, stats
+            if len(taken) < args.processes:
                 continue
-            mean_grads(net, grads_list, device)
-            grads_list.clear()
+            samples, stats_list = zip(*(taken[i] for i in range(args.processes)))   # in slot order
+            taken.clear()
+            mean_grads(net, grad_slots, samples, device)
+            stats = mean_stats(stats_list, samples)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
             optimizer.step()
             weights.publish(net)
-            steps += 1  # after the weights: a worker that sees the new step number finds them
+            for _, step_made in step_pipes:
+                step_made.send(None)  # after the weights: a worker that hears of the step finds them
             tracker.train(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -135,9 +135,9 @@ def tree_rss(pid):
 def run_script(script, args, warmup):
     """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
     launcher = [sys.executable]
-    if script == "a3c_dist":  # the same number of workers as the other A3C scripts, plus rank 0
-        workers = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers + 1)]
+    if script == "a3c_dist":  # as many ranks as the other A3C scripts have workers
+        ranks = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
                       str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
     cmd += args.script_args.get(script, [])

@@ -10,6 +10,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 import types
 
@@ -341,6 +342,33 @@ class RewardTracker:
         return True
 
 
+class SilentTracker:
+    """RewardTracker's stand-in on a torchrun rank other than 0: it never decides to stop and logs
+    nothing. Ctrl-C and SIGTERM end its process at once and silently (rank 0 prints the summary), a
+    lost rank (ChildProcessError) with one line; at once, with os._exit, because a helper thread
+    may still wait in gloo, where a clean teardown would abort."""
+    exit_code = 0
+
+    def __init__(self, args, rank):
+        self.script, self.rank = args.script, rank
+
+    def update(self, frames, episodes):
+        return False
+
+    def train(self, **scalars):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            os._exit(128 + (signal.SIGTERM if exc_type is Terminated else signal.SIGINT))
+        if exc_type is ChildProcessError:
+            print(f"{self.script}.py: error: rank {self.rank} {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
 # ---------------------------------------------------------------- command line
 class ArgumentParser(argparse.ArgumentParser):
     """Bad input ends with one line and exit code 2, not a usage dump. --help shows the first
@@ -394,6 +422,25 @@ def setup(parser, hyperparams):
     np.random.seed(args.seed)
     params = types.SimpleNamespace(**hyperparams[args.env])
     return args, params, torch.device("cuda" if args.cuda else "cpu")
+
+
+def unblocked(func, *args):
+    """func(*args), called in a helper thread and waited for here: a call blocked in C++ (gloo, say)
+    would hold back Ctrl-C and SIGTERM, which Python delivers to the main thread, until it returned.
+    What it raises is raised here."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = func(*args)
+        except Exception as error:   # handed to the caller, who knows what it means
+            outcome["error"] = error
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
 
 
 # ---------------------------------------------------------------- child processes

@@ -84,35 +84,42 @@ def test_pong_replay_buffer_fits_in_memory():
 
 
 # ---------------------------------------------------------------- a3c_grad plumbing
-def test_a3c_grad_applies_the_mean_of_worker_gradients():
-    net = torch.nn.Linear(2, 1)
+def test_a3c_grad_applies_the_mean_of_worker_gradients_weighted_by_their_samples():
+    net = torch.nn.Linear(2, 1)                        # parameters: weight [1, 2], bias [1]
     net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
-    worker_1 = [np.array([[1.0, 2.0]], dtype=np.float32), np.array([3.0], dtype=np.float32)]
-    worker_2 = [np.array([[11.0, 22.0]], dtype=np.float32), np.array([33.0], dtype=np.float32)]
-    a3c_grad.mean_grads(net, [worker_1, worker_2], "cpu")
-    assert net.weight.grad.tolist() == [[6.0, 12.0]]
-    assert net.bias.grad.tolist() == [18.0]
+    slots = torch.tensor([[1.0, 2.0, 3.0], [11.0, 22.0, 33.0]])   # worker 0 on 1 sample, worker 1 on 3
+    a3c_grad.mean_grads(net, slots, [1, 3], "cpu")
+    assert net.weight.grad.tolist() == [[8.5, 17.0]]             # (1 * 1 + 3 * 11) / 4, (2 + 66) / 4
+    assert net.bias.grad.tolist() == [25.5]                      # (3 + 99) / 4
+    stats = a3c_grad.mean_stats([{"loss_total": 1.0, "values": -2.0}, {"loss_total": 5.0, "values": 2.0}], [1, 3])
+    assert stats == {"loss_total": 4.0, "values": 1.0}            # (1 + 15) / 4, (-2 + 6) / 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_over_all_samples(device):
     torch.manual_seed(0)
     net = a3c_grad.A2C((4,), 2)
-    batches = [(torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1]), torch.randn(5)) for _ in range(2)]
-    sent = []
-    for states, actions, ref_vals in batches:          # what each worker does
+    # unequal batches: an episode's end flushes several experiences at once
+    batches = [(torch.randn(n, 4), torch.randint(2, (n,)), torch.randn(n)) for n in (5, 3)]
+    slots, stats_list = torch.zeros(2, sum(p.numel() for p in net.parameters())), []
+    for slot, (states, actions, ref_vals) in zip(slots, batches):          # what each worker does
         net.zero_grad()
-        a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
-        sent.append([p.grad.numpy().copy() for p in net.parameters()])
+        loss_total, stats = a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)
+        loss_total.backward()
+        slot.copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))
+        stats_list.append({k: v.item() for k, v in stats.items()})
     net.to(device)
-    a3c_grad.mean_grads(net, sent, device)      # what the main process applies, averaged on the device
+    a3c_grad.mean_grads(net, slots, [5, 3], device)   # what the main process applies, averaged on the device
     applied = [p.grad.cpu() for p in net.parameters()]
     assert {p.grad.device.type for p in net.parameters()} == {device}
     net.cpu().zero_grad()
     states, actions, ref_vals = (torch.cat(parts) for parts in zip(*batches))   # a3c_data's one batch
-    a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0].backward()
+    loss_total, stats = a3c_grad.calc_loss_a2c(net, states, actions, ref_vals, 0.01)
+    loss_total.backward()
     for got, expected in zip(applied, net.parameters()):
         torch.testing.assert_close(got, expected.grad)
+    # every stat is a mean over samples: weighted by samples, the workers' give that of all the samples
+    assert a3c_grad.mean_stats(stats_list, [5, 3]) == pytest.approx({k: v.item() for k, v in stats.items()})
 
 
 # ---------------------------------------------------------------- losses
@@ -213,31 +220,33 @@ def test_entropy_loss_step_makes_the_policy_less_certain(module):
 
 # ---------------------------------------------------------------- a3c_dist messages
 def test_a3c_dist_shares_a3c_grad_code_and_hyperparameters():
-    for name in ["A2C", "select_actions", "calc_loss_a2c", "mean_grads"]:
+    for name in ["A2C", "select_actions", "calc_loss_a2c"]:
         assert inspect.getsource(getattr(a3c_dist, name)) == inspect.getsource(getattr(a3c_grad, name))
     for env in ["pong", "cartpole"]:
-        # torchrun's --nproc-per-node sets the number of workers
+        # torchrun's --nproc-per-node sets the number of ranks
         assert a3c_dist.HYPERPARAMS[env] == {k: v for k, v in a3c_grad.HYPERPARAMS[env].items() if k != "processes"}
 
 
-def test_a3c_dist_message_round_trip():
-    net = torch.nn.Linear(2, 1)                                   # parameters: weight [1, 2], bias [1]
-    grads = [torch.tensor([[1.5, -2.0]]), torch.tensor([0.25])]
-    stats = {name: float(i) for i, name in enumerate(a3c_dist.STATS)}
-    msg = a3c_dist.pack_message(grads, stats, 37, [(21.0, 900), (-3.5, 12)])
-    assert msg.shape == (3 + len(a3c_dist.STATS) + 2 + 2 * a3c_dist.MAX_EPISODES,) == (a3c_dist.message_size(net),)
-    got_grads, got_stats, frames, episodes = a3c_dist.unpack_message(msg, net)
-    assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
-    assert got_stats == stats and frames == 37 and episodes == [(21.0, 900), (-3.5, 12)]
-    msg.zero_()                                                   # rank 0 reuses its receive buffer
-    assert [g.tolist() for g in got_grads] == [[[1.5, -2.0]], [0.25]]
+def test_a3c_dist_sum_of_the_ranks_messages_gives_the_mean_weighted_by_samples_and_every_episode():
+    net = torch.nn.Linear(2, 1)                        # parameters: weight [1, 2], bias [1]
+    sent = [([[1.0, 2.0]], [3.0], 1, 1.0, 8, [(21.0, 900)]),                   # rank 0: 1 sample
+            ([[11.0, 22.0]], [33.0], 3, 5.0, 16, [(-3.5, 12), (1.0, 40)])]      # rank 1: 3 samples
+    msgs = []
+    for rank, (weight_grad, bias_grad, samples, stat, frames, episodes) in enumerate(sent):
+        net.weight.grad, net.bias.grad = torch.tensor(weight_grad), torch.tensor(bias_grad)
+        stats = dict.fromkeys(a3c_dist.STATS, stat)
+        msgs.append(a3c_dist.pack_message(net, samples, stats, frames, episodes, False, rank, 2))
+    net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
+    stats, frames, episodes, stop = a3c_dist.unpack_message(msgs[0] + msgs[1], net, 2)   # all_reduce's sum
+    assert net.weight.grad.tolist() == [[8.5, 17.0]]             # (1 * 1 + 3 * 11) / 4, (2 + 66) / 4
+    assert net.bias.grad.tolist() == [25.5]                      # (3 + 99) / 4
+    assert stats == dict.fromkeys(a3c_dist.STATS, 4.0)            # (1 + 3 * 5) / 4
+    assert frames == 24 and episodes == [(21.0, 900), (-3.5, 12), (1.0, 40)] and stop is False
 
 
-def test_a3c_dist_applies_the_mean_of_what_the_workers_sent():
+def test_a3c_dist_rank_0s_word_to_stop_reaches_every_rank():
     net = torch.nn.Linear(2, 1)
+    net.weight.grad, net.bias.grad = torch.zeros(1, 2), torch.zeros(1)
     stats = dict.fromkeys(a3c_dist.STATS, 0.0)
-    sent = [[torch.tensor([[1.0, 2.0]]), torch.tensor([3.0])], [torch.tensor([[11.0, 22.0]]), torch.tensor([33.0])]]
-    received = [a3c_dist.unpack_message(a3c_dist.pack_message(grads, stats, 8, []), net)[0] for grads in sent]
-    net.weight.grad = torch.full((1, 2), 100.0)                 # a stale gradient must be replaced
-    a3c_dist.mean_grads(net, received, "cpu")
-    assert net.weight.grad.tolist() == [[6.0, 12.0]] and net.bias.grad.tolist() == [18.0]
+    msgs = [a3c_dist.pack_message(net, 32, stats, 32, [], rank == 0, rank, 3) for rank in range(3)]
+    assert a3c_dist.unpack_message(sum(msgs), net, 3)[3] is True
