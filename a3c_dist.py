@@ -130,12 +130,13 @@ def unpack_message(msg, net, world_size):
     """From the sum of every rank's pack_message: set net's grads to the gradient of the mean loss
     over all the samples; return the stats of all the samples, frames played, episodes, and stop."""
     sizes = [p.numel() for p in net.parameters()]
-    *stats, samples, new_frames, stop = msg[sum(sizes):sum(sizes) + len(STATS) + 3].tolist()
-    grads = (msg[:sum(sizes)] / samples).to(next(net.parameters()).device).split(sizes)
+    grad_sum, head, slots = msg.split([sum(sizes), len(STATS) + 3, world_size * (1 + 2 * MAX_EPISODES)])
+    *stats, samples, new_frames, stop = head.tolist()
+    grads = (grad_sum / samples).to(next(net.parameters()).device).split(sizes)
     for param, grad in zip(net.parameters(), grads):
         param.grad = grad.view_as(param)
     episodes = []
-    for count, *pairs in msg[sum(sizes) + len(STATS) + 3:].view(world_size, -1).tolist():
+    for count, *pairs in slots.view(world_size, -1).tolist():
         pairs = pairs[:2 * int(count)]
         episodes += [(reward, int(steps)) for reward, steps in zip(pairs[0::2], pairs[1::2])]
     return {name: value / samples for name, value in zip(STATS, stats)}, int(new_frames), episodes, bool(stop)
