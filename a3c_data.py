@@ -5,8 +5,9 @@ What crosses the process boundary: numpy samples through a pipe per worker, and 
 shared CPU memory, with which the workers act and compute the bootstrap values. On the CPU the
 workers use the learner's network itself, which the learner's optimizer steps change while they
 play. With --cuda the learner publishes the weights there after every training step, and each
-worker copies them into a network of its own on the GPU after every micro-batch it sends, so a
-micro-batch is played and valued with one set of weights. No GPU tensor crosses the boundary."""
+worker, after every micro-batch it sends, copies them into a network of its own on the GPU if they
+have changed, so a micro-batch is played and valued with one set of weights. No GPU tensor crosses
+the boundary, and the samples stay on the CPU until the learner stacks them."""
 import sys
 
 import numpy as np
@@ -76,7 +77,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
     adv = ref_vals - values.detach()
-    loss_policy = -(adv * log_probs[torch.arange(len(actions)), actions]).mean()
+    loss_policy = -(adv * log_probs.gather(1, actions.unsqueeze(-1)).squeeze(-1)).mean()
     loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
     loss_total = loss_policy + loss_value + loss_entropy
     stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
@@ -100,11 +101,10 @@ def data_func(params, args, weights, worker_id, send):
         micro_batch.extend(exps)
         if len(micro_batch) < params.micro_batch:
             continue
-        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, device, params.gamma)
+        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, "cpu", params.gamma)
         micro_batch.clear()
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        send((states.cpu().numpy(), actions.cpu().numpy(), ref_vals.cpu().numpy(), new_frames,
-              exp_source.pop_episodes()))
+        send((states.numpy(), actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
         weights.refresh(net)  # once a micro-batch, played and valued with one set of weights (GPU)
 
 
@@ -118,6 +118,7 @@ if __name__ == "__main__":
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     weights = common.SharedWeights(net)
+    common.share_memory(parser, weights)  # where it is short, the run stops here with one line
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], 0
 

@@ -84,7 +84,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
     adv = ref_vals - values.detach()
-    loss_policy = -(adv * log_probs[torch.arange(len(actions)), actions]).mean()
+    loss_policy = -(adv * log_probs.gather(1, actions.unsqueeze(-1)).squeeze(-1)).mean()
     loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
     loss_total = loss_policy + loss_value + loss_entropy
     stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
@@ -109,7 +109,7 @@ def grads_func(params, args, env, net, rank, device):
         net.zero_grad()
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
-        stats = {k: v.item() for k, v in stats.items()}
+        stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         yield len(actions), stats, new_frames, exp_source.pop_episodes()
 
@@ -159,6 +159,7 @@ if __name__ == "__main__":
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
     if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # where calls that take the current device land
     torch.set_num_threads(1)  # one core per rank
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank, world_size = dist.get_rank(), dist.get_world_size()

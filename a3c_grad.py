@@ -11,7 +11,8 @@ averages the slots, weighted by samples, on the run's device. The weights are in
 with which the workers act and compute their loss: on the CPU the workers use the main process's
 network itself; with --cuda the main process publishes the weights there after every optimizer
 step, and each worker copies them into a network of its own on the GPU. Either way a worker takes
-its gradient at the weights of the step it waited for. No GPU tensor crosses the boundary."""
+its gradient at the weights of the step it waited for. No GPU tensor crosses the boundary; with
+--cuda every process page-locks the shared memory it copies to or from the GPU."""
 import multiprocessing
 import sys
 
@@ -81,7 +82,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
     adv = ref_vals - values.detach()
-    loss_policy = -(adv * log_probs[torch.arange(len(actions)), actions]).mean()
+    loss_policy = -(adv * log_probs.gather(1, actions.unsqueeze(-1)).squeeze(-1)).mean()
     loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
     loss_total = loss_policy + loss_value + loss_entropy
     stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
@@ -97,6 +98,8 @@ def grads_func(params, args, weights, grad_slots, step_made, worker_id, send):
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device)
+    if args.cuda:
+        common.page_lock(grad_slots)  # its gradient is copied off the GPU into its slot every step
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
@@ -115,7 +118,7 @@ def grads_func(params, args, weights, grad_slots, step_made, worker_id, send):
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
         grad_slots[worker_id].copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))  # no pickling
-        stats = {k: v.item() for k, v in stats.items()}
+        stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((worker_id, len(actions), stats, new_frames, exp_source.pop_episodes()))
 
@@ -124,7 +127,7 @@ def mean_grads(net, grads, samples, device):
     """Set each parameter's grad to the mean of the workers' gradients (flat rows, each that of the
     mean loss over a worker's samples) weighted by their samples, taken on device, replacing what was
     there: the gradient of the mean loss over all the samples."""
-    mean = (torch.tensor(samples, dtype=grads.dtype) @ grads / sum(samples)).to(device)
+    mean = torch.tensor(samples, dtype=grads.dtype, device=device) @ grads.to(device) / sum(samples)
     for param, grad in zip(net.parameters(), mean.split([p.numel() for p in net.parameters()])):
         param.grad = grad.view_as(param)
 
@@ -146,7 +149,10 @@ if __name__ == "__main__":
     net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     weights = common.SharedWeights(net)
-    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters())).share_memory_()
+    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))
+    common.share_memory(parser, weights, grad_slots)  # where it is short, the run stops here with one line
+    if args.cuda:
+        common.page_lock(grad_slots)  # copied to the GPU every step
     step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
                for i in range(args.processes)}

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 import json
+import math
 import multiprocessing.connection
 import os
 import signal
@@ -191,14 +192,16 @@ def unpack_batch_dqn(batch, device):
 
 
 def unpack_batch_a2c(exps, net, device, gamma):
-    """States, actions and n-step reference values; those not terminated are bootstrapped
-    with gamma ** steps times the value of their last state."""
+    """States, actions and n-step reference values, as tensors on device; those not terminated are
+    bootstrapped with gamma ** steps times the value of their last state, which net computes on the
+    device it is on."""
     states = torch.as_tensor(np.stack([e.state for e in exps]), device=device)
     actions = torch.as_tensor(np.array([e.action for e in exps]), device=device)
     ref_vals = np.array([e.reward for e in exps], dtype=np.float32)
     alive = [i for i, e in enumerate(exps) if e.last_state is not None]
     if alive:
-        last_states = torch.as_tensor(np.stack([exps[i].last_state for i in alive]), device=device)
+        net_device = next(net.parameters()).device
+        last_states = torch.as_tensor(np.stack([exps[i].last_state for i in alive]), device=net_device)
         with torch.no_grad():
             last_vals = net(last_states)[1].cpu().numpy()
         steps = np.array([exps[i].steps for i in alive])
@@ -526,29 +529,135 @@ def _child_main(target, args, pipe):
         sys.exit(1)
 
 
+# ---------------------------------------------------------------- shared memory
+def share_memory(parser, *shared):
+    """Move each tensor or SharedWeights into shared memory, before any child starts. Where there is
+    not room for them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says
+    what it needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm
+    first; macOS and Windows share through files, and torch's own failure is caught there."""
+    needed, free = sum(item.nbytes for item in shared), shm_free()
+    if free is not None and needed > free:
+        parser.error(shm_short(needed, free))
+    try:
+        for item in shared:
+            item.share_memory_()
+    except (RuntimeError, OSError) as error:   # torch's word for no room, or no shared memory at all
+        parser.error(shm_short(needed, free, error))
+
+
+def shm_free():
+    """Bytes free in /dev/shm, where Linux keeps shared memory; None where there is none."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except (AttributeError, OSError):   # Windows has no statvfs, macOS no /dev/shm
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def shm_short(needed, free, error=None):
+    """The one line for a run that needs `needed` bytes of shared memory and cannot have them."""
+    size = 2 ** math.ceil(math.log2(2 * needed / 2 ** 20))   # MiB: twice the need, a power of 2
+    have = f"/dev/shm has {free / 1e6:.1f} MB free" if free is not None else "the system could not give it"
+    why = f" ({str(error).strip().splitlines()[0]})" if error is not None else ""
+    return (f"shared memory is short: this run shares {needed / 1e6:.1f} MB and {have}{why}; "
+            f"in Docker, give the container more with docker run --shm-size={size}m")
+
+
+def page_lock(tensor):
+    """Page-lock this process's mapping of a shared CPU tensor, so that copies between it and the GPU
+    go straight to memory, not through a staging buffer of the driver's. Each process maps shared
+    memory at addresses of its own, so each locks its own mapping. Where the driver refuses, the
+    copies stay correct, only slower."""
+    torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+
+
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The learner's weights in shared CPU memory, published after every optimizer step. Each child
-    keeps a copy of its own on the run's device and refreshes it from here: no GPU tensor crosses a
-    process boundary, so this works where CUDA IPC does not (Windows). On the CPU the learner's
-    network itself is shared, and publish and refresh do nothing: the children act on it while the
-    learner's optimizer steps write it, because copying cost 4 to 9% of the frames per second on
-    2 cores (docs/RESULTS.md)."""
+    """The learner's weights where its children read them, in shared CPU memory (share_memory puts
+    them there). On the CPU the learner's network itself is shared, and publish and refresh do
+    nothing: the children act on it while the learner's optimizer steps write it, because copying
+    cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and on the CPU
+    with copies=True, as the tests do) the learner publishes its weights into one flat shared tensor
+    after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
+    from there: no GPU tensor crosses a process boundary, so this works where CUDA IPC does not
+    (Windows).
 
-    def __init__(self, net):
-        on_cpu = next(net.parameters()).device.type == "cpu"
-        self.net = (net if on_cpu else copy.deepcopy(net).cpu()).share_memory()
+    A version orders the copies, as a seqlock does: a publish makes it odd, writes, and makes it
+    even. A child copies the weights into a staging buffer between two reads of the version, and
+    installs the copy in its network only if the version did not move: no child acts with a torn
+    copy. The version is a multiprocessing.Value, whose lock is a full memory barrier on every OS
+    (a plain shared integer is not ordered on ARM)."""
+
+    def __init__(self, net, copies=None):
+        self.device = next(net.parameters()).device
+        self.copies = self.device.type != "cpu" if copies is None else copies
+        if self.copies:   # the children's template: the architecture without its values
+            self.net = copy.deepcopy(net).to("meta")
+            self.flat = torch.cat([p.detach().flatten() for p in net.parameters()]).cpu()
+        else:
+            self.net = net
+        self.version = None     # made by share_memory_(): 0, the weights above
+        self.installed = None   # the version that this process's copy holds
+
+    @property
+    def nbytes(self):
+        return self.flat.nbytes if self.copies else sum(p.nbytes for p in self.net.parameters())
+
+    def share_memory_(self):
+        """Move the weights into shared memory; common.share_memory calls it before any child starts."""
+        if not self.copies:
+            self.net.share_memory()
+            return
+        self.flat.share_memory_()
+        self.version = torch.multiprocessing.get_context("spawn").Value("q", 0)
+        if self.device.type == "cuda":
+            page_lock(self.flat)
 
     def publish(self, net):
-        """Copy the learner's weights into shared memory."""
-        if net is not self.net:
-            self.net.load_state_dict(net.state_dict())
+        """Copy the learner's weights into shared memory (waiting for the copy off the GPU)."""
+        if not self.copies:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.flatten() for p in net.parameters()])
+        self.version.value += 1   # odd: a publish is under way
+        self.flat.copy_(flat)
+        self.version.value += 1   # even: the weights are whole
 
     def copy_to(self, device):
-        """A child's network on device: its own copy on a GPU, the shared network on the CPU."""
-        return self.net if torch.device(device).type == "cpu" else copy.deepcopy(self.net).to(device)
+        """A child's network on device: its own copy of the published weights, or, on the CPU
+        without copies, the learner's network itself."""
+        if not self.copies:
+            return self.net
+        net = copy.deepcopy(self.net).to_empty(device=device)
+        self.staging, self.installed = torch.empty_like(self.flat, device=device), None
+        if self.staging.is_cuda:
+            page_lock(self.flat)
+        if not self.refresh(net):
+            raise RuntimeError("no whole copy of the published weights within a second")
+        return net
 
     def refresh(self, net):
-        """Overwrite a child's copy with the newest published weights."""
-        if net is not self.net:
-            net.load_state_dict(self.net.state_dict())
+        """Install the newest published weights in net, a child's copy, if they are newer than what
+        it holds; True once it holds them. A copy that a publish overlapped is taken again, for up
+        to a second; after that (a learner that died mid-publish leaves the version odd) net keeps
+        the weights it has."""
+        if not self.copies:
+            return True
+        for _ in range(1000):
+            version = self.version.value
+            if version == self.installed:
+                return True
+            if version % 2 == 0:                      # no publish under way
+                self.staging.copy_(self.flat)         # waits for the copy to the GPU
+                if self.version.value == version:     # and none began meanwhile: the copy is whole
+                    self._install(net)
+                    self.installed = version
+                    return True
+            time.sleep(0.001)
+        return False
+
+    @torch.no_grad()
+    def _install(self, net):
+        """Copy the staging buffer into net's parameters."""
+        for param, value in zip(net.parameters(), self.staging.split([p.numel() for p in net.parameters()])):
+            param.copy_(value.view_as(param))

@@ -72,7 +72,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     states, actions, rewards, dones, last_states = common.unpack_batch_dqn(batch, device)
     q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
     next_q = tgt_net(last_states).max(dim=1)[0].detach()
-    next_q[dones] = 0.0
+    next_q = next_q.masked_fill(dones, 0.0)  # 0 after a terminal state (masked_fill: no GPU sync)
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 

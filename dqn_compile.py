@@ -83,7 +83,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # no graph for the target: it is a constant
         next_q = tgt_net(last_states).max(dim=1)[0]
-    next_q[dones] = 0.0
+    next_q = next_q.masked_fill(dones, 0.0)  # 0 after a terminal state (masked_fill: no GPU sync)
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
@@ -99,8 +99,8 @@ def train_step(batch, net, tgt_net, optimizer, gamma, device):
 def compile_or_exit(parser, fn, mode, probe_args):
     """fn compiled, after a first call on probe_args: compilation happens there, and on a machine
     where it cannot (no C++ compiler, a Python that this torch cannot compile) the run stops now."""
-    compiled = torch.compile(fn, mode=mode)
     try:
+        compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
         compiled(*probe_args)
     except Exception as e:  # whatever the compiler raised: its first line says why
         parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
@@ -142,6 +142,8 @@ if __name__ == "__main__":
             loss = compiled_step(batch, net, tgt_net, optimizer, params.gamma, device)
             train_steps += 1
             if train_steps == 1:  # torch.compile compiles at the first call: this step pays for it
+                if args.cuda:
+                    torch.cuda.synchronize()  # the step's kernels run after the call returns
                 print(f"{exp_source.frames}: first training step, with its compilation, "
                       f"{time.perf_counter() - started:.1f} s", flush=True)
             if train_steps % params.target_sync == 0:

@@ -7,8 +7,8 @@ the learner has trained on it: play overlaps training and runs at most one step 
 What crosses the process boundary: numpy experience through the pipe, and the weights in shared
 CPU memory. On the CPU the play process acts with the learner's network itself, which the learner's
 optimizer steps change while it plays. With --cuda the learner publishes the weights there after
-every training step, and the play process copies them into a network of its own on the GPU after
-every step it sends. No GPU tensor crosses the boundary."""
+every training step, and the play process, after every step it sends, copies them into a network of
+its own on the GPU if they have changed. No GPU tensor crosses the boundary."""
 import copy
 import sys
 
@@ -83,7 +83,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     q_vals = net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # no graph for the target: it is a constant
         next_q = tgt_net(last_states).max(dim=1)[0]
-    next_q[dones] = 0.0
+    next_q = next_q.masked_fill(dones, 0.0)  # 0 after a terminal state (masked_fill: no GPU sync)
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
@@ -101,7 +101,7 @@ def play_func(params, args, weights, send):
         epsilon = epsilon_by_frame(params, exp_source.frames)
         # returns once the learner has taken it: play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # every step, as the learner publishes: play lags one training step (GPU)
+        weights.refresh(net)  # every step that follows a publish: play lags one training step (GPU)
 
 
 if __name__ == "__main__":
@@ -114,6 +114,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     weights = common.SharedWeights(net)
+    common.share_memory(parser, weights)  # where it is short, the run stops here with one line
     children = {"play process": (params, args, weights)}
     train_steps = 0
 

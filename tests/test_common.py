@@ -292,19 +292,27 @@ def test_unpack_batch_dqn_keeps_values_and_dtypes():
 
 
 class SumValueNet(nn.Module):
-    """Stub actor-critic: zero logits, value = sum of the state."""
+    """Stub actor-critic: zero logits, value = sum of the state (times a parameter, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return torch.zeros(len(x), 2), x.sum(dim=1)
+        return torch.zeros(len(x), 2, device=x.device), self.scale * x.sum(dim=1)
 
 
-def test_unpack_batch_a2c_bootstraps_only_alive_experiences():
+@pytest.mark.parametrize("net_device", DEVICES)
+def test_unpack_batch_a2c_bootstraps_only_alive_experiences(net_device):
     exps = [
         common.ExperienceFirstLast(np.array([1, 0], np.float32), 1, 1.0, np.array([1, 2], np.float32), 1),
         common.ExperienceFirstLast(np.array([0, 1], np.float32), 0, 2.0, None, 2),
         common.ExperienceFirstLast(np.array([2, 2], np.float32), 1, 0.5, np.array([4, 4], np.float32), 3),
     ]
-    states, actions, ref_vals = common.unpack_batch_a2c(exps, SumValueNet(), torch.device("cpu"), GAMMA)
+    # the net values the last states where it is; the batch goes where it is asked (a3c_data's workers: the CPU)
+    net = SumValueNet().to(net_device)
+    states, actions, ref_vals = common.unpack_batch_a2c(exps, net, torch.device("cpu"), GAMMA)
+    assert states.device == actions.device == torch.device("cpu")
     np.testing.assert_array_equal(states.numpy(), [[1, 0], [0, 1], [2, 2]])
     assert states.dtype == torch.float32
     assert actions.tolist() == [1, 0, 1] and actions.dtype == torch.int64
@@ -485,35 +493,135 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     assert summary["mean_reward"] == -20.0 and summary["solved"] is False
 
 
+# ---------------------------------------------------------------- shared memory
+PARSER = common.ArgumentParser("test", prog="test")
+COPIES = [("cpu", False), ("cpu", True),
+          pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+def fake_shm_free(monkeypatch, free):
+    """Make /dev/shm report `free` bytes free to os.statvfs."""
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
+                        if path == "/dev/shm" else statvfs(path))
+
+
+def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(monkeypatch, capsys):
+    fake_shm_free(monkeypatch, 40 * 2 ** 20)
+    tensors = [torch.zeros(2 ** 20) for _ in range(11)]            # 11 x 4 MiB = 46.1 MB
+    with pytest.raises(SystemExit) as exit_info:
+        common.share_memory(PARSER, *tensors)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "test: error: shared memory is short: this run shares 46.1 MB and /dev/shm has 41.9 MB free; "
+        "in Docker, give the container more with docker run --shm-size=128m\n")
+    assert not any(t.is_shared() for t in tensors)               # nothing moved: all or none
+
+
+def test_share_memory_takes_what_just_fits_with_no_margin(monkeypatch):
+    # Docker's 64 MiB hold a3c_grad's default: 5 x 13.2 MB
+    fake_shm_free(monkeypatch, 64 * 2 ** 20)
+    tensors = [torch.zeros(16 * 2 ** 20 // 4) for _ in range(4)]   # 64 MiB exactly
+    common.share_memory(PARSER, *tensors)
+    assert all(t.is_shared() for t in tensors)
+
+
+def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
+    # where no room is counted first (macOS, Windows), or the count was wrong, torch's failure is caught
+    monkeypatch.setattr(os, "statvfs", lambda path: (_ for _ in ()).throw(OSError("no /dev/shm")))
+    def no_room(self):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left on device (28)")
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
+    with pytest.raises(SystemExit) as exit_info:
+        common.share_memory(PARSER, common.SharedWeights(nn.Linear(1000, 1000), copies=True))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("test: error: shared memory is short: this run shares 4.0 MB and the system could not give it "
+                   "(unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left on device (28)); "
+                   "in Docker, give the container more with docker run --shm-size=8m\n")
+
+
 # ---------------------------------------------------------------- SharedWeights
-@pytest.mark.parametrize("device", DEVICES)
-def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device):
+def shared_weights(net, copies=None):
+    """SharedWeights of net, in shared memory."""
+    weights = common.SharedWeights(net, copies)
+    common.share_memory(PARSER, weights)
+    return weights
+
+
+@pytest.mark.parametrize("device, copies", COPIES)
+def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device, copies):
     learner = nn.Linear(3, 2).to(device)
-    weights = common.SharedWeights(learner)
+    weights = shared_weights(learner, copies)
     child_net = weights.copy_to(device)
     assert all(p.device.type == device for p in child_net.parameters())
-    assert all(p.is_shared() for p in weights.net.parameters())
-    # on a GPU the child has a copy of its own; on the CPU it shares the learner's network
-    assert (child_net is learner) == (device == "cpu")
+    # on the CPU the child shares the learner's network, unless it copies; on a GPU it copies
+    assert (child_net is learner) == (device == "cpu" and not copies)
+    assert weights.nbytes == 4 * (3 * 2 + 2) and (weights.flat if weights.copies else learner.weight).is_shared()
     with torch.no_grad():
         learner.weight += 1                          # an optimizer step
     weights.publish(learner)
-    weights.refresh(child_net)
+    assert weights.refresh(child_net)
     for param, learned in zip(child_net.parameters(), learner.parameters()):
         assert param.device.type == device and torch.equal(param, learned)
 
 
-def test_publish_and_refresh_copy_between_networks_other_than_the_shared_one():
-    # the copies of the GPU path, on the CPU: a learner and a child that are not the shared network
-    weights = common.SharedWeights(nn.Linear(3, 2))
-    learner, child_net = copy.deepcopy(weights.net), copy.deepcopy(weights.net)
+def test_refresh_copies_only_when_a_publish_moved_the_version():
+    learner = nn.Linear(3, 2)
+    weights = shared_weights(learner, copies=True)
+    child_net = weights.copy_to("cpu")
     with torch.no_grad():
-        learner.weight += 1
+        child_net.weight.zero_()                     # a mark that a copy would overwrite
+    assert weights.refresh(child_net) and torch.equal(child_net.weight, torch.zeros(2, 3))   # nothing published
     weights.publish(learner)
-    assert torch.equal(weights.net.weight, learner.weight)
-    assert not torch.equal(child_net.weight, learner.weight)      # until it refreshes
-    weights.refresh(child_net)
+    assert weights.version.value == 2 and weights.refresh(child_net)
     assert torch.equal(child_net.weight, learner.weight)
+
+
+def test_refresh_gives_up_after_a_second_on_a_publish_that_never_ends_and_keeps_the_weights():
+    learner = nn.Linear(3, 2)
+    weights = shared_weights(learner, copies=True)
+    child_net = weights.copy_to("cpu")
+    before = child_net.weight.detach().clone()
+    weights.version.value += 1                      # a learner that died in the middle of a publish
+    with torch.no_grad():
+        weights.flat.zero_()                        # after writing part of it
+    started = time.perf_counter()
+    assert not weights.refresh(child_net)
+    assert 0.9 < time.perf_counter() - started < 5 and torch.equal(child_net.weight, before)
+
+
+def publish_numbers(weights, send):
+    """Child process: publish weights whose every value is the publish's number, 1, 2, 3, ..., forever."""
+    net = copy.deepcopy(weights.net).to_empty(device="cpu")
+    for number in range(1, 10 ** 9):
+        with torch.no_grad():
+            for param in net.parameters():
+                param.fill_(number)
+        weights.publish(net)
+
+
+def test_a_child_never_installs_a_torn_copy_of_weights_published_meanwhile():
+    learner = nn.Linear(1000, 1000)                  # 4 MB: a copy takes long enough for a publish to overlap it
+    with torch.no_grad():
+        for param in learner.parameters():
+            param.zero_()
+    weights = shared_weights(learner, copies=True)
+    child_net = weights.copy_to("cpu")
+    installed, torn = [], False
+    with common.ChildProcesses(publish_numbers, {"writer": (weights,)}):
+        deadline = time.time() + 60                  # the writer starts within seconds
+        while len(set(installed)) < 100 and time.time() < deadline:
+            assert weights.refresh(child_net)
+            values = torch.cat([p.detach().flatten() for p in child_net.parameters()])
+            assert values.min() == values.max()       # the weights of one publish, whole
+            installed.append(values[0].item())
+        # the control: a plain copy, with no version to check, does catch a publish half-written
+        while not torn and time.time() < deadline:
+            plain = weights.flat.clone()
+            torn = bool(plain.min() != plain.max())
+    assert len(set(installed)) == 100 and installed == sorted(installed)   # whole, and newer and newer
+    assert torn
 
 
 def report_copy(weights, device, send):
@@ -525,10 +633,10 @@ def report_copy(weights, device, send):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_child_process_copy_follows_what_the_learner_publishes(device):
+@pytest.mark.parametrize("device, copies", COPIES)
+def test_child_process_copy_follows_what_the_learner_publishes(device, copies):
     learner = nn.Linear(3, 2).to(device)
-    weights = common.SharedWeights(learner)
+    weights = shared_weights(learner, copies)
     with common.ChildProcesses(report_copy, {"child": (weights, device)}) as copies:
         for count, params in enumerate(copies):
             assert {device_type for device_type, _ in params} == {device}
