@@ -530,7 +530,8 @@ def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
     # where no room is counted first (macOS, Windows), or the count was wrong, torch's failure is caught
     monkeypatch.setattr(os, "statvfs", lambda path: (_ for _ in ()).throw(OSError("no /dev/shm")))
     def no_room(self):
-        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left on device (28)")
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+                           "No space left on device (28)")
     monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
     with pytest.raises(SystemExit) as exit_info:
         common.share_memory(PARSER, common.SharedWeights(nn.Linear(1000, 1000), copies=True))

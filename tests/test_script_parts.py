@@ -1,4 +1,5 @@
 """Unit tests of what the scripts define: hyperparameters, networks, losses and gradient plumbing."""
+import copy
 import inspect
 import pathlib
 import sys
@@ -146,15 +147,19 @@ def test_calc_loss_dqn_by_hand(module):
     assert tgt_net.table.grad is None                 # the target is a constant
 
 
+def random_dqn_batch(rng, device="cpu"):
+    """Tensors (states, actions, rewards, dones, last_states) of 96 random transitions between 4-vectors."""
+    arrays = (rng.normal(size=(96, 4)).astype(np.float32), rng.integers(2, size=96),
+              rng.normal(size=96).astype(np.float32), rng.random(96) < 0.2, rng.normal(size=(96, 4)).astype(np.float32))
+    return tuple(torch.as_tensor(array, device=device) for array in arrays)
+
+
 def test_dqn_compile_training_step_compiled_leaves_the_weights_an_eager_one_does():
     torch.manual_seed(0)
     nets, tgt_net = [dqn_compile.DQN((4,), 2) for _ in range(2)], dqn_compile.DQN((4,), 2)
     nets[1].load_state_dict(nets[0].state_dict())
     start = [p.detach().clone() for p in nets[0].parameters()]
-    rng = np.random.default_rng(0)
-    batch = tuple(torch.as_tensor(a) for a in (
-        rng.normal(size=(96, 4)).astype(np.float32), rng.integers(2, size=96), rng.normal(size=96).astype(np.float32),
-        rng.random(96) < 0.2, rng.normal(size=(96, 4)).astype(np.float32)))
+    batch = random_dqn_batch(np.random.default_rng(0))
     optimizers = [torch.optim.Adam(net.parameters(), lr=1e-3) for net in nets]
     steps = [dqn_compile.train_step, torch.compile(dqn_compile.train_step)]
     for _ in range(3):
@@ -164,6 +169,41 @@ def test_dqn_compile_training_step_compiled_leaves_the_weights_an_eager_one_does
     for eager, compiled, before in zip(nets[0].parameters(), nets[1].parameters(), start):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
         assert not torch.equal(eager, before)   # every weight moved: the steps were real
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_recompile_or_skipped_graph(device):
+    # as dqn_compile.py runs them: acting compiled without gradient, then training steps (on the GPU
+    # as CUDA graphs: warm-up, recording, replays) with acting between them and a target sync after
+    # some replays; a twin takes the same steps eagerly
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    device = torch.device(device)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    nets = [dqn_compile.DQN((4,), 2).to(device) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    tgt_nets = [copy.deepcopy(net) for net in nets]
+    optimizers = [torch.optim.Adam(net.parameters(), lr=1e-3) for net in nets]
+    rng = np.random.default_rng(0)
+    states = torch.as_tensor(rng.normal(size=(3, 4)).astype(np.float32), device=device)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.no_grad():
+            act_net = dqn_compile.compile_or_exit(None, nets[1], mode, [states])
+        compiled_step = torch.compile(dqn_compile.train_step, mode=mode)
+        for step in range(1, 9):
+            batch = random_dqn_batch(rng, device)
+            eager = dqn_compile.train_step(batch, nets[0], tgt_nets[0], optimizers[0], GAMMA, device)
+            compiled = compiled_step(batch, nets[1], tgt_nets[1], optimizers[1], GAMMA, device)
+            assert compiled.item() == pytest.approx(eager.item(), rel=1e-4), step
+            for eager_param, compiled_param in zip(nets[0].parameters(), nets[1].parameters()):
+                torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
+            with torch.no_grad():   # acting between steps sees the weights the steps made
+                torch.testing.assert_close(act_net(states), nets[0](states), rtol=1e-4, atol=1e-5)
+            if step == 5:           # after replays: the target's weights change under the graphs
+                for net, tgt_net in zip(nets, tgt_nets):
+                    tgt_net.load_state_dict(net.state_dict())
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
 class FixedA2C(torch.nn.Module):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
 
 import pytest
@@ -313,6 +314,111 @@ def test_dqn_compile_without_a_working_compiler_ends_with_one_line_and_exit_code
     assert "Traceback" not in err
 
 
+def test_dqn_compile_on_a_python_that_torch_cannot_compile_for_ends_with_one_line_and_exit_code_2(
+        run_main, monkeypatch, tmp_path, capsys):
+    def unsupported(*args, **kwargs):   # what torch.compile raises at once on Python 3.15
+        raise RuntimeError("torch.compile is not supported on Python 3.15+")
+    monkeypatch.setattr(torch, "compile", unsupported)
+    monkeypatch.chdir(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert run_main("dqn_compile", "--env", "cartpole") == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capsys.readouterr()
+    assert err == "dqn_compile.py: error: torch.compile fails here (torch.compile is not supported on Python " \
+                  "3.15+); dqn_fast.py runs without it\n" and out == ""
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- shared memory
+# what each script shares by default on Pong, worked out from the networks' sizes: the A2C net has
+# 3,293,863 parameters (13.2 MB), the DQN 1,687,206 (6.7 MB); a3c_grad adds a gradient slot per worker
+SHARED = {"dqn_mp": ("6.7", "16m"), "a3c_data": ("13.2", "32m"), "a3c_grad": ("65.9", "128m")}
+
+
+@pytest.fixture
+def before_children(run_main, monkeypatch, tmp_path):
+    """run_main in tmp_path, for a command line that must stop before any child starts."""
+    def refuse(self):
+        raise AssertionError("a child process started")
+    monkeypatch.setattr(common.ChildProcesses, "__enter__", refuse)
+    monkeypatch.chdir(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)   # setup() sets its own
+    yield run_main
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fake_shm_free(monkeypatch, free):
+    """Make /dev/shm report `free` bytes free to os.statvfs."""
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
+                        if path == "/dev/shm" else statvfs(path))
+
+
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+def test_too_little_shared_memory_ends_with_one_line_and_exit_code_2_before_any_child(
+        script, before_children, monkeypatch, tmp_path, capsys):
+    fake_shm_free(monkeypatch, 2 ** 20)
+    assert before_children(script) == 2
+    out, err = capsys.readouterr()
+    needed, size = SHARED[script]
+    assert err == f"{script}.py: error: shared memory is short: this run shares {needed} MB and /dev/shm has " \
+                  f"1.0 MB free; in Docker, give the container more with docker run --shm-size={size}\n"
+    assert out == "" and not (tmp_path / "runs").exists()
+
+
+def test_a3c_grad_with_its_4_workers_fits_dockers_64_mib(before_children, monkeypatch):
+    fake_shm_free(monkeypatch, 64 * 2 ** 20)
+    with pytest.raises(AssertionError, match="a child process started"):   # past the check
+        before_children("a3c_grad")
+
+
+def test_a3c_grad_where_torch_cannot_share_ends_with_one_line_and_exit_code_2(before_children, monkeypatch,
+                                                                             tmp_path, capsys):
+    def no_room(self):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+                           "No space left on device (28)")
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
+    assert before_children("a3c_grad") == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1
+    assert err.startswith("a3c_grad.py: error: shared memory is short: this run shares 65.9 MB")
+    assert "No space left on device" in err and "--shm-size=128m" in err and out == ""
+
+
+def small_dev_shm(mib, command):
+    """The command line that runs command with a /dev/shm of its own of mib MiB (Linux: a user and mount
+    namespace, as a container has), or None where that cannot be made."""
+    wrapped = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={mib}m tmpfs /dev/shm && exec "$@"', "sh",
+               *command]
+    try:
+        probe = subprocess.run(wrapped[:-len(command)] + ["true"], capture_output=True)
+    except OSError:
+        return None
+    return wrapped if probe.returncode == 0 else None
+
+
+@slow
+@needs_proc
+def test_a3c_grad_in_a_40_mib_dev_shm_stops_with_one_line_and_in_64_mib_runs(tmp_path):
+    script = os.path.join(REPO, "a3c_grad.py")
+    short = small_dev_shm(40, [sys.executable, script, "--processes", "8"])
+    if short is None:
+        pytest.skip("no user and mount namespaces here (unshare -rm)")
+    tag = uuid.uuid4().hex
+    proc = subprocess.run(short, cwd=tmp_path, env=tagged_env(tag), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and not (tmp_path / "runs").exists()
+    assert proc.stderr == "a3c_grad.py: error: shared memory is short: this run shares 118.6 MB and /dev/shm has " \
+                          "41.9 MB free; in Docker, give the container more with docker run --shm-size=256m\n"
+    assert_none_left(tag)
+    fits = small_dev_shm(64, [sys.executable, script, "--max-frames", "2000"])
+    proc = subprocess.run(fits, cwd=tmp_path, env=tagged_env(tag), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc.stdout)["frames"] >= 2000
+    assert_none_left(tag)
+
+
 # ---------------------------------------------------------------- Pong, tiny budget
 @slow
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -353,6 +459,17 @@ def test_learns_cartpole_within_budget(script, tmp_path):
     result = summary(out)
     assert result["solved"], result
     assert result["mean_reward"] >= common.STOP_REWARDS["cartpole"]
+
+
+@slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("script", MP_SCRIPTS)
+def test_learns_cartpole_with_cuda_within_budget(script, tmp_path):
+    # every process that runs the network runs it on the GPU (test_runs_on_pong_... checks the children)
+    code, out, err = run(script, "--env", "cartpole", "--seed", "1", "--cuda", "--max-frames", str(BUDGET[script]),
+                         cwd=tmp_path)
+    assert code == 0, err
+    assert summary(out)["solved"]
 
 
 @pytest.mark.parametrize("script, envs", slow_but(("dqn_fast", 3), [("dqn_baseline", 1), ("dqn_fast", 3),
@@ -560,7 +677,7 @@ def test_child_killed_in_the_middle_of_a_message_ends_the_run_within_seconds(scr
 
 
 # ---------------------------------------------------------------- a3c_dist under torchrun
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]   # 3 ranks, all playing
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 # rank 1 crashes in the middle of the run
 DIST_CRASH_HOOK = """
 import os
@@ -576,9 +693,10 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def start_dist(*args, cwd, env=None):
-    """Start a3c_dist.py under torchrun, as a user would, leading a process group of its own."""
-    return subprocess.Popen([sys.executable, *TORCHRUN, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd,
+def start_dist(*args, cwd, env=None, ranks=3):
+    """Start a3c_dist.py under torchrun with 3 ranks (all playing), as a user would, leading a process
+    group of its own."""
+    return subprocess.Popen([sys.executable, *TORCHRUN, str(ranks), os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -594,6 +712,19 @@ def test_a3c_dist_learns_cartpole_within_budget(seed, tmp_path):
     assert proc.returncode == 0, err
     result = summary(out)
     assert result["solved"] and result["mean_reward"] >= common.STOP_REWARDS["cartpole"], result
+    assert_none_left(tag)
+
+
+@slow
+@needs_proc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a3c_dist_learns_cartpole_with_cuda_within_budget(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start_dist("--env", "cartpole", "--seed", "1", "--cuda", "--max-frames", "1000000", cwd=tmp_path,
+                      env=tagged_env(tag))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert summary(out)["solved"]
     assert_none_left(tag)
 
 
@@ -627,12 +758,12 @@ def test_a3c_dist_ctrl_c_or_sigterm_stops_every_rank_with_one_summary(target, si
     assert_none_left(tag)
 
 
-def dist_weights(tmp_path, *args):
+def dist_weights(tmp_path, *args, ranks=3):
     """Run a3c_dist.py on CartPole with WEIGHTS_HOOK; the digests each rank wrote, by RANK."""
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir(parents=True)
     env = dict(hooked_env(tmp_path, WEIGHTS_HOOK, tagged_env(tag)), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
-    proc = start_dist("--env", "cartpole", *args, cwd=tmp_path, env=env)
+    proc = start_dist("--env", "cartpole", *args, cwd=tmp_path, env=env, ranks=ranks)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert_none_left(tag)
@@ -648,6 +779,13 @@ def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_they_took_their_g
     # starts from the weights that every gradient was taken at, and moves them
     taken, stepped = digests["0"][0::2], digests["0"][1::2]
     assert len(stepped) > 10 and taken[:len(stepped)] == stepped and len(set(stepped)) == len(stepped)
+
+
+@needs_proc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a3c_dist_with_cuda_2_ranks_sharing_one_gpu_hold_equal_weights(tmp_path):
+    digests = dist_weights(tmp_path, "--cuda", "--max-frames", "3000", ranks=2)
+    assert sorted(digests) == ["0", "1"] and len(digests["0"]) > 20 and digests["0"] == digests["1"]
 
 
 @slow
