@@ -564,11 +564,14 @@ def shm_short(needed, free, error=None):
 
 
 def page_lock(tensor):
-    """Page-lock this process's mapping of a shared CPU tensor, so that copies between it and the GPU
-    go straight to memory, not through a staging buffer of the driver's. Each process maps shared
-    memory at addresses of its own, so each locks its own mapping. Where the driver refuses, the
-    copies stay correct, only slower."""
-    torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+    """Page-lock this process's mapping of a shared CPU tensor, on Linux, so that copies between it
+    and the GPU go straight to memory, not through a staging buffer of the driver's. Each process
+    maps shared memory at addresses of its own, so each locks its own mapping, once. A refusal
+    raises: CUDA would otherwise report it at the next kernel launch, as that kernel's error.
+    Elsewhere the copies go through pageable memory (Windows' drivers limit page-locked memory)."""
+    if sys.platform != "linux" or tensor.is_pinned():
+        return
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
 
 
 # ---------------------------------------------------------------- weights for the children
@@ -596,7 +599,7 @@ class SharedWeights:
             self.flat = torch.cat([p.detach().flatten() for p in net.parameters()]).cpu()
         else:
             self.net = net
-        self.version = None     # made by share_memory_(): 0, the weights above
+        self.version = None     # made by share_memory_(): 0, for the weights copied above
         self.installed = None   # the version that this process's copy holds
 
     @property
