@@ -638,8 +638,8 @@ def report_copy(weights, device, send):
 def test_child_process_copy_follows_what_the_learner_publishes(device, copies):
     learner = nn.Linear(3, 2).to(device)
     weights = shared_weights(learner, copies)
-    with common.ChildProcesses(report_copy, {"child": (weights, device)}) as copies:
-        for count, params in enumerate(copies):
+    with common.ChildProcesses(report_copy, {"child": (weights, device)}) as reports:
+        for count, params in enumerate(reports):
             assert {device_type for device_type, _ in params} == {device}
             if all(torch.equal(value, param.cpu()) for (_, value), param in zip(params, learner.parameters())):
                 if count > 0:
