@@ -534,7 +534,8 @@ def share_memory(parser, *shared):
     """Move each tensor or SharedWeights into shared memory, before any child starts. Where there is
     not room for them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says
     what it needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm
-    first; macOS and Windows share through files, and torch's own failure is caught there."""
+    first; on every OS torch's own failure is caught (macOS and Windows share through files, with
+    no /dev/shm to count)."""
     needed, free = sum(item.nbytes for item in shared), shm_free()
     if free is not None and needed > free:
         parser.error(shm_short(needed, free))
