@@ -3,6 +3,7 @@ the whole stop and signal matrix, Pong and torchrun runs, play and plot on a tra
 import os
 import runpy
 import sys
+import types
 
 import pytest
 
@@ -39,3 +40,14 @@ def run_main(monkeypatch):
             return exit_info.code
         return 0
     return run
+
+
+@pytest.fixture
+def fake_shm_free(monkeypatch):
+    """Make /dev/shm report the given bytes free to os.statvfs."""
+    statvfs = os.statvfs
+
+    def fake(free):
+        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
+                            if path == "/dev/shm" else statvfs(path))
+    return fake

@@ -499,15 +499,8 @@ COPIES = [("cpu", False), ("cpu", True),
           pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
-def fake_shm_free(monkeypatch, free):
-    """Make /dev/shm report `free` bytes free to os.statvfs."""
-    statvfs = os.statvfs
-    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
-                        if path == "/dev/shm" else statvfs(path))
-
-
-def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(monkeypatch, capsys):
-    fake_shm_free(monkeypatch, 40 * 2 ** 20)
+def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(fake_shm_free, capsys):
+    fake_shm_free(40 * 2 ** 20)
     tensors = [torch.zeros(2 ** 20) for _ in range(11)]            # 11 x 4 MiB = 46.1 MB
     with pytest.raises(SystemExit) as exit_info:
         common.share_memory(PARSER, *tensors)
@@ -518,9 +511,9 @@ def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(monkeypatch,
     assert not any(t.is_shared() for t in tensors)               # nothing moved: all or none
 
 
-def test_share_memory_takes_what_just_fits_with_no_margin(monkeypatch):
+def test_share_memory_takes_what_just_fits_with_no_margin(fake_shm_free):
     # no margin: Docker's 64 MiB must hold a3c_grad's default, 5 x 13.2 MB = 65.9 MB of 67.1
-    fake_shm_free(monkeypatch, 4 * 2 ** 20)
+    fake_shm_free(4 * 2 ** 20)
     tensors = [torch.zeros(2 ** 20 // 4) for _ in range(4)]     # 4 MiB exactly
     common.share_memory(PARSER, *tensors)
     assert all(t.is_shared() for t in tensors)

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 import uuid
 
 import pytest
@@ -349,17 +348,10 @@ def before_children(run_main, monkeypatch, tmp_path):
     signal.signal(signal.SIGTERM, handler)
 
 
-def fake_shm_free(monkeypatch, free):
-    """Make /dev/shm report `free` bytes free to os.statvfs."""
-    statvfs = os.statvfs
-    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
-                        if path == "/dev/shm" else statvfs(path))
-
-
 @pytest.mark.parametrize("script", MP_SCRIPTS)
 def test_too_little_shared_memory_ends_with_one_line_and_exit_code_2_before_any_child(
-        script, before_children, monkeypatch, tmp_path, capsys):
-    fake_shm_free(monkeypatch, 2 ** 20)
+        script, before_children, fake_shm_free, tmp_path, capsys):
+    fake_shm_free(2 ** 20)
     assert before_children(script) == 2
     out, err = capsys.readouterr()
     needed, size = SHARED[script]
@@ -368,8 +360,8 @@ def test_too_little_shared_memory_ends_with_one_line_and_exit_code_2_before_any_
     assert out == "" and not (tmp_path / "runs").exists()
 
 
-def test_a3c_grad_with_its_4_workers_fits_dockers_64_mib(before_children, monkeypatch):
-    fake_shm_free(monkeypatch, 64 * 2 ** 20)
+def test_a3c_grad_with_its_4_workers_fits_dockers_64_mib(before_children, fake_shm_free):
+    fake_shm_free(64 * 2 ** 20)
     with pytest.raises(AssertionError, match="a child process started"):   # past the check
         before_children("a3c_grad")
 
