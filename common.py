@@ -605,6 +605,7 @@ class SharedWeights:
 
     @property
     def nbytes(self):
+        """The bytes that share_memory_() puts in shared memory."""
         return self.flat.nbytes if self.copies else sum(p.nbytes for p in self.net.parameters())
 
     def share_memory_(self):
