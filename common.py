@@ -597,7 +597,7 @@ class SharedWeights:
         self.copies = self.device.type != "cpu" if copies is None else copies
         if self.copies:   # the children's template: the architecture without its values
             self.net = copy.deepcopy(net).to("meta")
-            self.flat = torch.cat([p.detach().flatten() for p in net.parameters()]).cpu()
+            self.flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach().cpu()
         else:
             self.net = net
         self.version = None     # made by share_memory_(): 0, for the weights copied above
@@ -623,7 +623,7 @@ class SharedWeights:
         if not self.copies:
             return
         with torch.no_grad():
-            flat = torch.cat([p.flatten() for p in net.parameters()])
+            flat = torch.nn.utils.parameters_to_vector(net.parameters())
         self.version.value += 1   # odd: a publish is under way
         self.flat.copy_(flat)
         self.version.value += 1   # even: the weights are whole
