@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""A3C on Pong, data parallel: worker processes play and send training samples to one learner.
+"""A3C on Pong, data parallel: worker processes play and send training samples to the main process.
 
 What crosses the process boundary: numpy samples through a pipe per worker, and the weights in
 shared CPU memory, with which the workers act and compute the bootstrap values. On the CPU the
-workers use the learner's network itself, which the learner's optimizer steps change while they
-play. With --cuda the learner publishes the weights there after every training step, and each
+workers use the main process's network itself, which the main process's optimizer steps change while they
+play. With --cuda the main process publishes the weights there after every training step, and each
 worker, after every micro-batch it sends, copies them into a network of its own on the GPU if they
 have changed, so a micro-batch is played and valued with one set of weights. No GPU tensor crosses
-the boundary, and the samples stay on the CPU until the learner stacks them."""
+the boundary, and the samples stay on the CPU until the main process stacks them."""
 import sys
 
 import numpy as np
@@ -85,7 +85,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def data_func(params, args, weights, worker_id, send):
+def data_func(params, args, weights, worker_id, *, send):
     """Worker process: play its envs with its copy of the published net, send n-step samples in
     micro-batches."""
     torch.set_num_threads(1)   # one core per worker
@@ -122,12 +122,12 @@ if __name__ == "__main__":
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], 0
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(data_func, workers) as train_queue:
-        for states, actions, ref_vals, new_frames, episodes in train_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(data_func, workers) as messages:
+        for states, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
-            # the learner only trains: it stacks micro-batches from all workers into one batch
+            # the main process only trains: it stacks micro-batches from all workers into one batch
             batch.append((states, actions, ref_vals))
             if sum(len(b[0]) for b in batch) < params.batch_size:
                 continue

@@ -25,17 +25,16 @@ import common
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
     gamma=0.99,
-    # 3e-3, as in a3c_data, not the book's 1e-3; it needs the synchronous steps of grads_func:
-    # with gradients that land on newer weights than they were taken at, the value never learns at
-    # 3e-3 (docs/RESULTS.md)
+    # 3e-3, not the book's 1e-3: with 1e-3 a3c_data was still at -20.15 after 2.2M frames;
+    # with 3e-3 it solved Pong at 4.03M frames (docs/RESULTS.md)
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
     reward_steps=4,           # n of the n-step reference values
     clip_grad=0.1,            # max L2 norm of the gradient
-    processes=4,              # worker processes, one gradient from each per optimizer step
+    processes=4,              # worker processes
     envs=8,                   # envs per worker
-    grad_batch=32,            # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
+    micro_batch=32,           # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
@@ -90,7 +89,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, weights, grad_slots, step_made, worker_id, send):
+def grads_func(params, args, weights, grad_slots, step_pipe, worker_id, *, send):
     """Worker process: play its envs with its copy of the published net; for each batch, wait for
     the optimizer step that took its last gradient, then put the gradient at the new weights in its
     slot and send what goes with it."""
@@ -104,15 +103,16 @@ def grads_func(params, args, weights, grad_slots, step_made, worker_id, send):
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * args.envs)
-    batch, frames_sent = [], 0
+    micro_batch, frames_sent = [], 0
     for exps in exp_source:
-        batch.extend(exps)
-        if len(batch) < params.grad_batch:
+        micro_batch.extend(exps)
+        if len(micro_batch) < params.micro_batch:
             continue
-        states, actions, ref_vals = common.unpack_batch_a2c(batch, net, device, params.gamma)
-        batch.clear()
+        states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, device, params.gamma)
+        micro_batch.clear()
         # synchronous steps: every gradient a step averages is taken at the weights the step updates
-        step_made.recv()  # raises EOFError, which ends this process, if the main process is gone
+        # (with gradients taken at older weights, the value never learns at 3e-3: docs/RESULTS.md)
+        step_pipe.recv()  # the step is made; EOFError, which ends this process, if the main process is gone
         weights.refresh(net)  # to that step's weights (GPU)
         net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
@@ -156,28 +156,28 @@ if __name__ == "__main__":
     step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
                for i in range(args.processes)}
-    taken, frames = {}, 0   # worker id: (samples, loss stats) of the gradient in its slot
+    in_slots, frames = {}, 0   # worker id: (samples, loss stats) of the gradient in its slot
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as train_queue:
-        for _, step_made in step_pipes:
-            step_made.send(None)  # step 0, the initial weights: every worker takes its first gradient
-        for worker_id, samples, stats, new_frames, episodes in train_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as messages:
+        for _, step_pipe in step_pipes:
+            step_pipe.send(None)  # step 0, the initial weights: every worker takes its first gradient
+        for worker_id, samples, stats, new_frames, episodes in messages:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
             # the main process only applies gradients: it averages one from each worker into one step
-            taken[worker_id] = samples, stats
-            if len(taken) < args.processes:
+            in_slots[worker_id] = samples, stats
+            if len(in_slots) < args.processes:
                 continue
-            samples, stats_list = zip(*(taken[i] for i in range(args.processes)))   # in slot order
-            taken.clear()
+            samples, stats_list = zip(*(in_slots[i] for i in range(args.processes)))   # in slot order
+            in_slots.clear()
             mean_grads(net, grad_slots, samples, device)
             stats = mean_stats(stats_list, samples)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
             optimizer.step()
             weights.publish(net)
-            for _, step_made in step_pipes:
-                step_made.send(None)  # after the weights: a worker that hears of the step finds them
+            for _, step_pipe in step_pipes:
+                step_pipe.send(None)  # after the weights: a worker that hears of the step finds them
             tracker.train(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -80,7 +80,7 @@ def dqn_ceiling(env_name, space, n_actions, device, seconds):
 
 
 def a2c_ceiling(env_name, space, n_actions, device, seconds):
-    """Samples/s of the A2C training step alone, at the learner's batch size (128 for Pong)."""
+    """Samples/s of the A2C training step alone, at the main process's batch size (128 for Pong)."""
     params = types.SimpleNamespace(**a3c_data.HYPERPARAMS[env_name])
     net = a3c_data.A2C(space.shape, n_actions).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)

@@ -448,7 +448,7 @@ def unblocked(func, *args):
 
 # ---------------------------------------------------------------- child processes
 class ChildProcesses:
-    """Children started with spawn, each running target(*args, send) with a pipe of its own to this
+    """Children started with spawn, each running target(*args, send=send) with a pipe of its own to this
     process. send(message) returns once this process has taken the message: a child runs at most one
     message ahead of its reader on every OS, whatever the pipe's buffer holds. Iterating yields what
     the children send, and raises ChildProcessError as soon as a child is dead, however it died: a
@@ -524,7 +524,7 @@ def _child_main(target, args, pipe):
         pipe.recv()   # the main process's word that it took the message
 
     try:
-        target(*args, send)
+        target(*args, send=send)
     except (BrokenPipeError, ConnectionResetError, EOFError):   # the main process is gone
         sys.exit(1)
 
@@ -577,11 +577,11 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The learner's weights where its children read them, in shared CPU memory (share_memory puts
-    them there). On the CPU the learner's network itself is shared, and publish and refresh do
-    nothing: the children act on it while the learner's optimizer steps write it, because copying
+    """The main process's weights where its children read them, in shared CPU memory (share_memory puts
+    them there). On the CPU the main process's network itself is shared, and publish and refresh do
+    nothing: the children act on it while the main process's optimizer steps write it, because copying
     cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and on the CPU
-    with copies=True, as the tests do) the learner publishes its weights into one flat shared tensor
+    with copies=True, as the tests do) the main process publishes its weights into one flat shared tensor
     after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
     from there: no GPU tensor crosses a process boundary, so this works where CUDA IPC does not
     (Windows).
@@ -619,7 +619,7 @@ class SharedWeights:
             page_lock(self.flat)
 
     def publish(self, net):
-        """Copy the learner's weights into shared memory (waiting for the copy off the GPU)."""
+        """Copy the main process's weights into shared memory (waiting for the copy off the GPU)."""
         if not self.copies:
             return
         with torch.no_grad():
@@ -630,7 +630,7 @@ class SharedWeights:
 
     def copy_to(self, device):
         """A child's network on device: its own copy of the published weights, or, on the CPU
-        without copies, the learner's network itself."""
+        without copies, the main process's network itself."""
         if not self.copies:
             return self.net
         net = copy.deepcopy(self.net).to_empty(device=device)
@@ -644,7 +644,7 @@ class SharedWeights:
     def refresh(self, net):
         """Install the newest published weights in net, a child's copy, if they are newer than what
         it holds; True once it holds them. A copy that a publish overlapped is taken again, for up
-        to a second; after that (a learner that died mid-publish leaves the version odd) net keeps
+        to a second; after that (a main process that died mid-publish leaves the version odd) net keeps
         the weights it has."""
         if not self.copies:
             return True

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
 
-The play process sends each step's experience and waits until the learner has taken it, not until
-the learner has trained on it: play overlaps training and runs at most one step ahead of it.
+The play process sends each step's experience and waits until the main process has taken it, not until
+the main process has trained on it: play overlaps training and runs at most one step ahead of it.
 
 What crosses the process boundary: numpy experience through the pipe, and the weights in shared
-CPU memory. On the CPU the play process acts with the learner's network itself, which the learner's
-optimizer steps change while it plays. With --cuda the learner publishes the weights there after
+CPU memory. On the CPU the play process acts with the main process's network itself, which the main process's
+optimizer steps change while it plays. With --cuda the main process publishes the weights there after
 every training step, and the play process, after every step it sends, copies them into a network of
 its own on the GPU if they have changed. No GPU tensor crosses the boundary."""
 import copy
@@ -87,9 +87,9 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
-def play_func(params, args, weights, send):
+def play_func(params, args, weights, *, send):
     """Child process: play the envs with its copy of the published net, send every step's experience."""
-    torch.set_num_threads(1)   # the cores belong to the learner and the envs
+    torch.set_num_threads(1)   # the cores belong to the main process and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device)
@@ -99,7 +99,7 @@ def play_func(params, args, weights, send):
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     for exps in exp_source:
         epsilon = epsilon_by_frame(params, exp_source.frames)
-        # returns once the learner has taken it: play runs at most one step ahead of training
+        # returns once the main process has taken it: play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
         weights.refresh(net)  # every step that follows a publish: play lags one training step (GPU)
 
@@ -118,8 +118,8 @@ if __name__ == "__main__":
     children = {"play process": (params, args, weights)}
     train_steps = 0
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(play_func, children) as exp_queue:
-        for exps, frames, episodes in exp_queue:
+    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(play_func, children) as messages:
+        for exps, frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)
             epsilon = epsilon_by_frame(params, frames)

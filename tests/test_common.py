@@ -585,7 +585,7 @@ def test_refresh_gives_up_after_a_second_on_a_publish_that_never_ends_and_keeps_
     assert 0.9 < time.perf_counter() - started < 5 and torch.equal(child_net.weight, before)
 
 
-def publish_numbers(weights, send):
+def publish_numbers(weights, *, send):
     """Child process: publish weights whose every value is the publish's number, 1, 2, 3, ..., forever."""
     net = copy.deepcopy(weights.net).to_empty(device="cpu")
     for number in range(1, 10 ** 9):
@@ -618,7 +618,7 @@ def test_a_child_never_installs_a_torn_copy_of_weights_published_meanwhile():
     assert torn
 
 
-def report_copy(weights, device, send):
+def report_copy(weights, device, *, send):
     """Child process: refresh its copy of the published net and send it, again and again."""
     net = weights.copy_to(device)
     while True:
@@ -644,7 +644,7 @@ def test_child_process_copy_follows_what_the_learner_publishes(device, copies):
 
 
 # ---------------------------------------------------------------- ChildProcesses
-def count_up(counter, send):
+def count_up(counter, *, send):
     """Child process: announce each message's number in shared memory, then send it, forever."""
     for number in range(10 ** 6):
         counter.value = number
@@ -665,7 +665,7 @@ def test_a_child_sends_at_most_one_message_ahead_of_a_slow_reader():
     assert set(ahead) == {1}
 
 
-def crash(send):
+def crash(*, send):
     """Child process: send one message, then fail."""
     send("hello")
     raise RuntimeError("injected crash")

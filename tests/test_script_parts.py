@@ -48,9 +48,9 @@ def test_a3c_scripts_differ_only_in_batching():
     for env in ["pong", "cartpole"]:
         data, grad = a3c_data.HYPERPARAMS[env], a3c_grad.HYPERPARAMS[env]
         differing = {k for k in data.keys() | grad.keys() if data.get(k) != grad.get(k)}
-        assert differing == {"micro_batch", "batch_size", "grad_batch"}
+        assert differing == {"batch_size"}
     # a3c_data's batch is what an a3c_grad step averages: one gradient from each worker
-    assert a3c_data.PONG["batch_size"] == a3c_grad.PONG["processes"] * a3c_grad.PONG["grad_batch"]
+    assert a3c_data.PONG["batch_size"] == a3c_grad.PONG["processes"] * a3c_grad.PONG["micro_batch"]
 
 
 # ---------------------------------------------------------------- networks
