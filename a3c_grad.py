@@ -45,8 +45,9 @@ class A2C(nn.Module):
     """Policy logits and state value from one shared body: the Nature DQN convolutions for frames,
     a small MLP for vectors."""
 
-    def __init__(self, obs_shape, n_actions):
+    def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
+        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layers in fp32
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
                 nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
@@ -58,14 +59,19 @@ class A2C(nn.Module):
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
             hidden = 128
         features = self.body(torch.zeros(1, *obs_shape)).shape[1]
-        self.policy = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, n_actions))
-        self.value = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.policy_hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU())
+        self.value_hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU())
+        self.policy, self.value = nn.Linear(hidden, n_actions), nn.Linear(hidden, 1)
 
     def forward(self, x):
-        """Policy logits [batch, n_actions] and state values [batch]."""
+        """Policy logits [batch, n_actions] and state values [batch], in fp32."""
         x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
-        features = self.body(x)
-        return self.policy(features), self.value(features).squeeze(-1)
+        # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            features = self.body(x)
+            policy, value = self.policy_hidden(features), self.value_hidden(features)
+        # in fp32: CPU autocast would leave log_softmax in bf16, and .numpy() refuses bf16
+        return self.policy(policy.float()), self.value(value.float()).squeeze(-1)
 
 
 @torch.no_grad()
@@ -146,7 +152,7 @@ if __name__ == "__main__":
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
-    net = A2C(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     weights = common.SharedWeights(net)
     grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))

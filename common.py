@@ -249,7 +249,7 @@ class RewardTracker:
         # what play.py needs to rebuild the net, saved beside its weights
         self.checkpoint = {"script": args.script, "env": args.env,
                            "obs_shape": tuple(env.single_observation_space.shape),
-                           "n_actions": int(env.single_action_space.n)}
+                           "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
         self.stop_reward = STOP_REWARDS[args.env]
         self.rewards = collections.deque(maxlen=100)
         self.losses = collections.deque(maxlen=100)
@@ -410,7 +410,17 @@ def argument_parser(description):
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     parser.add_argument("-n", "--name", default="", help="suffix of the run name in runs/")
     parser.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
+    parser.add_argument("--bf16", action="store_true",
+                        help="mixed precision: the network's hidden layers compute in bfloat16")
     return parser
+
+
+def bf16_native(device):
+    """Whether the device computes in bfloat16 natively; elsewhere torch emulates it, slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    capabilities = torch.cpu.get_capabilities()
+    return any(capabilities.get(name, False) for name in ("avx512_bf16", "amx_bf16", "bf16"))  # bf16: arm64
 
 
 def setup(parser, hyperparams):
@@ -419,12 +429,16 @@ def setup(parser, hyperparams):
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
+    device = torch.device("cuda" if args.cuda else "cpu")
+    if args.bf16 and not bf16_native(device):
+        print(f"{parser.prog}: warning: --bf16 is emulated on this {device.type.upper()}, slower than fp32",
+              file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, raise_terminated)  # a kill stops as cleanly as Ctrl-C
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     params = types.SimpleNamespace(**hyperparams[args.env])
-    return args, params, torch.device("cuda" if args.cuda else "cpu")
+    return args, params, device
 
 
 def unblocked(func, *args):

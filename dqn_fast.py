@@ -36,8 +36,9 @@ HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 class DQN(nn.Module):
     """Q-values of every action: the Nature DQN convolutions for frames, a small MLP for vectors."""
 
-    def __init__(self, obs_shape, n_actions):
+    def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
+        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layer in fp32
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
                 nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
@@ -49,12 +50,16 @@ class DQN(nn.Module):
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
             hidden = 128
         features = self.body(torch.zeros(1, *obs_shape)).shape[1]
-        self.head = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, n_actions))
+        self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU())
+        self.out = nn.Linear(hidden, n_actions)
 
     def forward(self, x):
-        """Q-values [batch, n_actions] for a batch of observations."""
+        """Q-values [batch, n_actions], in fp32, for a batch of observations."""
         x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
-        return self.head(self.body(x))
+        # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.hidden(self.body(x))
+        return self.out(hidden.float())   # in fp32: bf16 Q-values near 100 are 0.5 apart, argmax would tie
 
 
 def epsilon_by_frame(params, frames):
@@ -88,7 +93,7 @@ if __name__ == "__main__":
     parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     env = common.make_fast_env(args.env, args.envs)
-    net = DQN(env.single_observation_space.shape, env.single_action_space.n).to(device)
+    net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)

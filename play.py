@@ -44,8 +44,12 @@ def build_agent(checkpoint, device):
     """The trained network, rebuilt by its script, and a function from states to actions."""
     script = importlib.import_module(checkpoint["script"])
     is_dqn = hasattr(script, "DQN")
-    net = (script.DQN if is_dqn else script.A2C)(checkpoint["obs_shape"], checkpoint["n_actions"])
-    net.load_state_dict(checkpoint["state_dict"])
+    net = (script.DQN if is_dqn else script.A2C)(checkpoint["obs_shape"], checkpoint["n_actions"],
+                                                 checkpoint.get("bf16", False))   # at its training precision
+    try:
+        net.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError:  # saved by an older version of the script, whose layers were named otherwise
+        raise ValueError(f"its weights do not fit the network of {checkpoint['script']}.py as it is now") from None
     net.to(device).eval()
     if is_dqn:
         return lambda states: script.select_actions(net, states, 0.0, device)  # greedy
@@ -107,7 +111,10 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # one state at a time: more threads only wait on each other
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    agent = build_agent(checkpoint, torch.device("cuda" if args.cuda else "cpu"))
+    try:
+        agent = build_agent(checkpoint, torch.device("cuda" if args.cuda else "cpu"))
+    except ValueError as error:
+        parser.error(f"{args.checkpoint}: {error}")
     frames = [] if gif else None
     try:
         scores = play(env, agent, args.episodes, args.seed, frames)

@@ -370,7 +370,7 @@ def test_classic_and_fast_atari_pipelines_start_episodes_alike():
 
 # ---------------------------------------------------------------- RewardTracker
 def fake_args(max_frames=None):
-    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames)
+    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False)
 
 
 def fake_env():

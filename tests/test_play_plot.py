@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, REPO)
+import a3c_data  # noqa: E402
 import dqn_baseline  # noqa: E402
 import play  # noqa: E402
 import plot  # noqa: E402
@@ -142,6 +143,20 @@ def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     assert (agent(states) == greedy).all()
 
 
+def test_play_rebuilds_a_bf16_run_at_its_precision(tmp_path_factory, tmp_path, monkeypatch):
+    run_dir = trained_run(tmp_path_factory, "a3c_data", "--env", "cartpole", "--max-frames", "2000",
+                          "--processes", "1", "--bf16")
+    checkpoint = play.load_checkpoint(str(run_dir))
+    assert checkpoint["bf16"] is True
+    precisions, forward = [], a3c_data.A2C.forward
+    monkeypatch.setattr(a3c_data.A2C, "forward", lambda net, x: precisions.append(net.bf16) or forward(net, x))
+    agent = play.build_agent(checkpoint, torch.device("cpu"))
+    assert agent(np.zeros((3, 4), dtype=np.float32)).shape == (3,) and precisions == [True]
+    code, out, err = run("play", str(run_dir), "--episodes", "2", cwd=tmp_path)
+    assert code == 0, err
+    assert scores_and_result(out)[1]["episodes"] == 2
+
+
 @slow
 def test_play_a3c_on_pong_and_record_a_gif(pong_run, tmp_path):
     code, out, err = run("play", str(pong_run), "--episodes", "2", "--record", "game.gif", cwd=tmp_path)
@@ -181,6 +196,7 @@ PLAY_BAD_INPUT = [
     (lambda d: write_checkpoint(d / "best.pt", script="dqn_nowhere"), ["best.pt"], "unknown here"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--record", "no/such/dir/game.gif"], "cannot write"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--episodes", "0"], "positive integer"),
+    (lambda d: write_checkpoint(d / "best.pt"), ["best.pt"], "do not fit the network of dqn_baseline.py"),
 ]
 PLAY_BAD_INPUT += [] if torch.cuda.is_available() else [
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--cuda"], "no CUDA device")]

@@ -239,7 +239,8 @@ def test_policy_loss_sends_no_gradient_to_the_value_head(module):
     net = module.A2C((4,), 3)
     _, stats = module.calc_loss_a2c(net, torch.randn(8, 4), torch.randint(3, (8,)), torch.randn(8), 0.01)
     stats["loss_policy"].backward()
-    assert all(p.grad is None or not p.grad.any() for p in net.value.parameters())   # advantage detached
+    value_head = [*net.value_hidden.parameters(), *net.value.parameters()]
+    assert all(p.grad is None or not p.grad.any() for p in value_head)   # advantage detached
     assert any(p.grad is not None and p.grad.any() for p in net.policy.parameters())
 
 
@@ -290,3 +291,120 @@ def test_a3c_dist_rank_0s_word_to_stop_reaches_every_rank():
     stats = dict.fromkeys(a3c_dist.STATS, 0.0)
     msgs = [a3c_dist.pack_message(net, 32, stats, 32, [], rank == 0, rank, 3) for rank in range(3)]
     assert a3c_dist.unpack_message(sum(msgs), net, 3)[3] is True
+
+
+# ---------------------------------------------------------------- bf16 mixed precision
+U = 2.0 ** -8   # bf16's unit roundoff: 8 significant bits, round to nearest
+
+
+@pytest.fixture(scope="module")
+def pong_frames():
+    """32 stacked observations of real Pong, under random actions, ball in play."""
+    env = common.make_fast_env("pong", 1, threads=1)
+    rng = np.random.default_rng(0)
+    states = [env.reset(seed=0)[0][0]]
+    while len(states) < 96:
+        states.append(env.step(rng.integers(6, size=1))[0][0])
+    env.close()
+    return np.stack(states[64:])
+
+
+def weighted_layers(net):
+    return [m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+
+
+def reduction_condition(net, backward):
+    """For each layer: || |delta|^T |x| || / || delta^T x ||, the condition number of the sum that
+    gives its weight gradient (x its input, delta the gradient at its output), from an fp32 pass.
+    1 where no terms cancel; the bigger, the more of a term's rounding error survives the sum."""
+    seen = {}
+
+    def keep_input_and_delta(m, args, out):
+        seen[m] = [args[0].detach()]
+        out.register_hook(seen[m].append)
+    hooks = [m.register_forward_hook(keep_input_and_delta) for m in weighted_layers(net)]
+    backward()
+    for hook in hooks:
+        hook.remove()
+    condition = {}
+    for m, (x, delta) in seen.items():
+        if isinstance(m, torch.nn.Conv2d):
+            def grad(x, delta):
+                return torch.nn.grad.conv2d_weight(x, m.weight.shape, delta, stride=m.stride)
+        else:
+            def grad(x, delta):
+                return delta.t() @ x
+        condition[m] = (grad(x.abs(), delta.abs()).norm() / grad(x, delta).norm()).item()
+    return condition
+
+
+def relative_error(approx, exact):
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+def dqn_backward(net, frames, seed):
+    rng = np.random.default_rng(seed)
+    tgt_net = copy.deepcopy(net)
+    batch = (frames, rng.integers(6, size=32), rng.uniform(-1, 1, size=32).astype(np.float32),
+             np.zeros(32, dtype=bool), frames[::-1].copy())
+
+    def backward():
+        net.zero_grad()
+        loss = dqn_fast.calc_loss_dqn(batch, net, tgt_net, 0.99, "cpu")
+        loss.backward()
+        return loss.detach()
+    return backward
+
+
+def a2c_backward(net, frames, seed):
+    rng = np.random.default_rng(seed)
+    actions, ref_vals = torch.as_tensor(rng.integers(6, size=32)), torch.as_tensor(rng.uniform(-1, 1, size=32))
+
+    def backward():
+        net.zero_grad()
+        loss = a3c_data.calc_loss_a2c(net, torch.as_tensor(frames), actions, ref_vals.float(), 0.01)[0]
+        loss.backward()
+        return loss.detach()
+    return backward
+
+
+@pytest.mark.parametrize("make, backward", [(dqn_fast.DQN, dqn_backward), (a3c_data.A2C, a2c_backward)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, seed, pong_frames):
+    """The bound, first order in U. Under autocast a layer rounds its two operands to bf16 (a
+    relative error of at most U each) and sums their products in fp32, so each product is off by at
+    most 2U. A weight's gradient comes from L = 4 such layers in a row (3 convolutions and the hidden
+    layer, the output layer being fp32): the forward pass up to the layer, the backward pass above
+    it. So every term of the sum that makes it is off by at most 2 L U, and the sum by at most
+    2 L U times its condition number (reduction_condition): 8 U times that, per weight tensor.
+    The loss is mostly a mean of squares (the value term dominates A2C's at these returns), terms
+    that do not cancel: 2 L U."""
+    torch.manual_seed(seed)
+    net = make((4, 84, 84), 6)
+    run = backward(net, pong_frames, seed)
+    condition = reduction_condition(net, run)
+    loss32 = run()
+    grads32 = [m.weight.grad.clone() for m in weighted_layers(net)]
+    net.bf16 = True
+    loss16 = run()
+    grads16 = [m.weight.grad.clone() for m in weighted_layers(net)]
+    bound = 2 * 4 * U
+    assert relative_error(loss16, loss32) <= bound
+    for m, grad16, grad32 in zip(weighted_layers(net), grads16, grads32):
+        assert grad16.dtype == torch.float32
+        assert relative_error(grad16, grad32) <= bound * condition[m], m
+    # and bf16 does change them: a run that silently stayed fp32 fails here
+    assert any(relative_error(g16, g32) > U / 4 for g16, g32 in zip(grads16, grads32))
+
+
+@pytest.mark.parametrize("make", [dqn_fast.DQN, a3c_data.A2C])
+def test_bf16_net_returns_fp32_and_nearly_fp32_values(make, pong_frames):
+    torch.manual_seed(0)
+    net = make((4, 84, 84), 6)
+    with torch.no_grad():
+        exact = net(torch.as_tensor(pong_frames))
+        net.bf16 = True
+        mixed = net(torch.as_tensor(pong_frames))
+    for approx, value in zip(*(out if isinstance(out, tuple) else (out,) for out in (mixed, exact))):
+        assert approx.dtype == torch.float32
+        assert 0 < relative_error(approx, value) <= 2 * 4 * U   # 4 layers, two rounded operands each

@@ -294,7 +294,7 @@ def test_help_says_what_the_script_does_in_its_first_paragraph(script, in_proces
     first, _, rest = doc.partition("\n\n")
     assert " ".join(first.split()) in out
     assert rest == "" or " ".join(rest.split()[:8]) not in out   # how it works stays in the code
-    assert "--max-frames" in out and "--seed" in out
+    assert "--max-frames" in out and "--seed" in out and "--bf16" in out
 
 
 @pytest.mark.parametrize("script, args", [(script, ["--env", "mars"]) for script in SCRIPTS] + [("a3c_dist", [])])
@@ -442,15 +442,31 @@ BUDGET = {"dqn_baseline": 100_000, "dqn_fast": 100_000, "dqn_mp": 100_000, "dqn_
           "a3c_data": 1_000_000, "a3c_grad": 1_000_000}
 
 
-@slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_learns_cartpole_within_budget(script, tmp_path):
+@pytest.mark.parametrize("script, precision", slow_but(("dqn_fast", "bf16"), [
+    (script, precision) for precision in ("fp32", "bf16") for script in SCRIPTS]))
+def test_learns_cartpole_within_budget(script, precision, tmp_path):
     code, out, err = run(script, "--env", "cartpole", "--seed", "1", "--max-frames", str(BUDGET[script]),
-                         cwd=tmp_path)
+                         *(["--bf16"] if precision == "bf16" else []), cwd=tmp_path)
     assert code == 0, err
     result = summary(out)
     assert result["solved"], result
     assert result["mean_reward"] >= common.STOP_REWARDS["cartpole"]
+
+
+CPU_HOOK = """
+import os, types
+import torch
+torch.cpu.get_capabilities = lambda: types.MappingProxyType({"avx512_bf16": os.environ["RL_TEST_BF16"] == "1"})
+"""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(native, tmp_path):
+    env = dict(hooked_env(tmp_path, CPU_HOOK), RL_TEST_BF16="1" if native else "0")
+    code, out, err = run("dqn_baseline", "--env", "cartpole", "--bf16", "--max-frames", "300", cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert summary(out)["frames"] >= 300
+    assert err == ("" if native else "dqn_baseline.py: warning: --bf16 is emulated on this CPU, slower than fp32\n")
 
 
 @slow
@@ -695,11 +711,11 @@ def start_dist(*args, cwd, env=None, ranks=3):
 
 @slow
 @needs_proc
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a3c_dist_learns_cartpole_within_budget(seed, tmp_path):
+@pytest.mark.parametrize("seed, precision", [(1, []), (2, []), (3, []), (1, ["--bf16"])])
+def test_a3c_dist_learns_cartpole_within_budget(seed, precision, tmp_path):
     tag = uuid.uuid4().hex
-    proc = start_dist("--env", "cartpole", "--seed", str(seed), "--max-frames", "1000000", cwd=tmp_path,
-                      env=tagged_env(tag))
+    proc = start_dist("--env", "cartpole", "--seed", str(seed), "--max-frames", "1000000", *precision,
+                      cwd=tmp_path, env=tagged_env(tag))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     result = summary(out)
