@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Measure the ceilings of this machine, then every script for the same number of training frames,
-and print a markdown table: train fps, ratio to dqn_baseline, fraction of the ceiling, peak memory."""
+and print a markdown table: train fps, ratio to dqn_baseline, fraction of the ceiling, peak memory.
+With --bf16, every script runs twice, in fp32 and with --bf16, one after the other, and the table
+gives both and their ratio."""
 import argparse
 import json
 import os
@@ -59,11 +61,11 @@ def real_states(env_name, batch):
     return np.stack(states)
 
 
-def dqn_ceiling(env_name, space, n_actions, device, seconds):
+def dqn_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
     """Frames/s the DQN training step alone allows: samples/s at batch 32, divided by 32."""
     params = types.SimpleNamespace(**dqn_fast.HYPERPARAMS[env_name])
-    net = dqn_fast.DQN(space.shape, n_actions).to(device)
-    tgt_net = dqn_fast.DQN(space.shape, n_actions).to(device)
+    net = dqn_fast.DQN(space.shape, n_actions, bf16).to(device)
+    tgt_net = dqn_fast.DQN(space.shape, n_actions, bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     states = real_states(env_name, params.batch_size)
     batch = (states, np.random.randint(n_actions, size=params.batch_size),
@@ -79,10 +81,10 @@ def dqn_ceiling(env_name, space, n_actions, device, seconds):
     return timed_rate(step, params.batch_size, seconds) / params.batch_size
 
 
-def a2c_ceiling(env_name, space, n_actions, device, seconds):
+def a2c_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
     """Samples/s of the A2C training step alone, at the main process's batch size (128 for Pong)."""
     params = types.SimpleNamespace(**a3c_data.HYPERPARAMS[env_name])
-    net = a3c_data.A2C(space.shape, n_actions).to(device)
+    net = a3c_data.A2C(space.shape, n_actions, bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     states = torch.as_tensor(real_states(env_name, params.batch_size), device=device)
     actions = torch.randint(n_actions, (params.batch_size,), device=device)
@@ -132,7 +134,7 @@ def tree_rss(pid):
     return rss + sum(tree_rss(child) for child in children)
 
 
-def run_script(script, args, warmup):
+def run_script(script, args, warmup, bf16=False):
     """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
     launcher = [sys.executable]
     if script == "a3c_dist":  # as many ranks as the other A3C scripts have workers
@@ -140,7 +142,7 @@ def run_script(script, args, warmup):
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
                       str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
-    cmd += args.script_args.get(script, [])
+    cmd += args.script_args.get(script, []) + (["--bf16"] if bf16 else [])
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
         peak = 0
@@ -167,6 +169,7 @@ def main():
     parser.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS)
     parser.add_argument("--envs", type=common.positive_int, help="passed to the DQN scripts and A3C")
     parser.add_argument("--processes", type=common.positive_int, help="passed to the A3C scripts")
+    parser.add_argument("--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio")
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
@@ -185,15 +188,24 @@ def main():
         "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
+    if args.bf16:
+        ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
+        ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     if args.cuda:
         machine += f", {torch.cuda.get_device_name()}"
+    if args.bf16:
+        machine += f"; bf16 {'native' if common.bf16_native(device) else 'EMULATED (slower than fp32)'}"
     command = " ".join(["python bench.py"] + sys.argv[1:])
     print(f"Machine: {machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
           f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {command}")
     print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
-          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s\n")
+          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s")
+    if args.bf16:
+        print(f"Ceilings with bf16: DQN net {ceilings['DQN net bf16']:.0f} frames/s, "
+              f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
+    print()
 
     rows, baseline = [], None
     for script in args.scripts:
@@ -202,13 +214,26 @@ def main():
             continue
         warmup = dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
         summary = run_script(script, args, warmup)
+        print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+        if args.bf16:
+            mixed = run_script(script, args, warmup, bf16=True)
+            print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
+            rows.append((script, summary, mixed))
+            continue
         bound = "DQN net" if script.startswith("dqn") else "A2C net"
         bound = min([bound, "env"], key=ceilings.get)
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         rows.append((script, summary, bound))
-        print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
 
+    if args.bf16:
+        print("| script | train fps, fp32 | train fps, bf16 | bf16 vs fp32 | peak RSS, fp32 / bf16 |")
+        print("|---|---:|---:|---:|---:|")
+        for script, summary, mixed in rows:
+            print(f"| {script} | {summary['train_fps']:.0f} | {mixed['train_fps']:.0f} "
+                  f"| {mixed['train_fps'] / summary['train_fps']:.2f}x "
+                  f"| {summary['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |")
+        return
     print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |")
     print("|---|---:|---:|---:|---:|")
     for script, summary, bound in rows:
