@@ -3,11 +3,11 @@
 
 What crosses the process boundary: numpy samples through a pipe per worker, and the weights in
 shared CPU memory, with which the workers act and compute the bootstrap values. On the CPU the
-workers use the main process's network itself, which the main process's optimizer steps change while they
-play. With --cuda the main process publishes the weights there after every training step, and each
-worker, after every micro-batch it sends, copies them into a network of its own on the GPU if they
-have changed, so a micro-batch is played and valued with one set of weights. No GPU tensor crosses
-the boundary, and the samples stay on the CPU until the main process stacks them."""
+workers use the main process's network itself, which the main process's optimizer steps change
+while they play. With --cuda the main process publishes the weights there after every training
+step, and each worker, after every micro-batch it sends, copies them into a network of its own on
+the GPU if they have changed, so a micro-batch is played and valued with one set of weights. No GPU
+tensor crosses the boundary, and the samples stay on the CPU until the main process stacks them."""
 import sys
 
 import numpy as np

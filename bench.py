@@ -2,14 +2,20 @@
 """Measure the ceilings of this machine, then every script for the same number of training frames,
 and print a markdown table: train fps, ratio to dqn_baseline, fraction of the ceiling, peak memory.
 With --bf16, every script runs twice, in fp32 and with --bf16, one after the other, and the table
-gives both and their ratio."""
+gives both and their ratio. With --profile, every script runs twice, alone and under py-spy, and a
+second table and a PNG show, for each of its processes, the share of time spent in each category
+of work (CATEGORIES, RULES)."""
 import argparse
+import collections
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import types
 
@@ -24,6 +30,151 @@ import dqn_fast
 
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad", "a3c_dist"]
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ---------------------------------------------------------------- where the time goes (--profile)
+CATEGORIES = ["emulator", "acting", "training", "replay", "transport", "other"]
+COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#bab0ac"]
+# A sample of a process's main thread goes to the category of its innermost frame that a rule
+# names, else to "other". A rule: (category, a part of the frame's file or None for any file, the
+# frame's functions as py-spy names them, Class.method, or None for any function).
+RULES = [
+    ("emulator", "ale_py/", None),                    # the Atari emulators, one env or the C++ vector env
+    ("emulator", "gymnasium/", None),                 # wrappers, SyncVectorEnv, CartPole
+    ("emulator", "common.py", {"FireAndNoopsOnReset.reset"}),
+    ("acting", None, {"select_actions"}),             # the forward pass that picks actions
+    ("training", None, {"calc_loss_dqn", "calc_loss_a2c", "unpack_batch_dqn", "unpack_batch_a2c",
+                        "train_step", "mean_grads"}),
+    ("training", "torch/_tensor.py", {"Tensor.backward"}),   # not all of torch/autograd/: no_grad is there
+    ("training", "torch/optim/", None),               # the optimizer step
+    ("training", "torch/nn/utils/clip_grad.py", None),
+    ("replay", "common.py", {"ReplayBuffer.append", "ReplayBuffer.sample"}),
+    ("transport", "multiprocessing/connection.py", None),   # pipes: sending, receiving, waiting
+    ("transport", "torch/distributed/", None),        # collectives
+    ("transport", "common.py", {"unblocked", "ChildProcesses.__iter__", "SharedWeights.publish",
+                                "SharedWeights.refresh", "SharedWeights.copy_to"}),
+    ("transport", None, {"pack_message", "unpack_message", "all_reduce"}),
+]
+START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
+HELPERS = ["multiprocessing.resource_tracker", "torch.distributed.run", "compile_worker"]   # not the job's
+CHILD_NAMES = {"dqn_mp": "play process", "a3c_data": "worker", "a3c_grad": "worker", "a3c_dist": "rank"}
+FRAME = re.compile(r"(?P<function>.*) \((?P<file>.*):\d+\)$")
+PROCESS = re.compile(r'process (?P<pid>\d+):"(?P<cmd>[^"]*)";')   # a command line may hold a ";"
+THREAD = re.compile(r"thread \((?P<tid>\d+)\)")
+
+
+def fail(message):
+    """One line on stderr and exit code 2: what the user must change is outside bench.py."""
+    print(f"bench.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def category(frames):
+    """The category of a stack, given as (function, file) pairs from the outermost frame in."""
+    for function, file in reversed(frames):
+        for name, part, functions in RULES:
+            if (part is None or part in file) and (functions is None or function in functions):
+                return name
+    return "other"
+
+
+def read_raw(lines):
+    """py-spy's raw output (one stack a line: processes, thread, frames, then the sample count) as
+    {pid: (command line, parent pid, Counter of categories)}, main threads only, start-up left out."""
+    processes = {}
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        chain, start = [], 0
+        while match := PROCESS.match(stack, start):   # the process, its parent's before it, and so on
+            chain.append(match)
+            start = match.end()
+        thread, *parts = stack[start:].split(";")
+        thread = THREAD.match(thread)
+        if not chain or thread is None:
+            continue
+        pid, cmd = int(chain[-1]["pid"]), chain[-1]["cmd"]
+        parent = int(chain[-2]["pid"]) if len(chain) > 1 else None
+        counts = processes.setdefault(pid, (cmd, parent, collections.Counter()))[2]
+        frames = [(m["function"], m["file"]) for m in map(FRAME.match, parts) if m]
+        if int(thread["tid"]) != pid or any(START_UP in file for _, file in frames):
+            continue   # not the main thread (on Linux its id is the pid), or an import
+        counts[category(frames)] += int(count)
+    return processes
+
+
+def label_processes(processes, child_name="child"):
+    """{label: Counter}: the job's processes, helpers left out: "main process", and its children
+    child_name 0, 1, ... in start order (child_name alone if there is one); under torchrun, whose
+    agent is a helper, the ranks, "rank 0", "rank 1", ... in start order."""
+    job = {pid: entry for pid, entry in sorted(processes.items())
+           if not any(helper in entry[0] for helper in HELPERS)}
+    labelled, children = {}, []
+    for pid, (cmd, parent, counts) in job.items():
+        if parent in job or child_name == "rank":
+            children.append(counts)
+        else:
+            labelled["main process"] = counts
+    if len(children) == 1 and child_name != "rank":
+        return dict(labelled, **{child_name: children[0]})
+    return dict(labelled, **{f"{child_name} {i}": counts for i, counts in enumerate(children)})
+
+
+def profile(cmd, out_file, rate=50, child_name="child"):
+    """Run cmd under py-spy, sampling every thread of it and its children, idle or not; returns
+    {label: Counter of categories} and cmd's output. Where py-spy cannot trace, exit 2 with one line."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        fail("--profile needs py-spy: pip install -r requirements.txt")
+    record = [spy, "record", "--subprocesses", "--idle", "--threads", "--format", "raw", "--rate", str(rate),
+              "--output", out_file, "--"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(record + cmd, stdout=out, stderr=err, text=True)
+        out.seek(0), err.seek(0)
+        output, message = out.read(), err.read()
+    if proc.returncode != 0 or not os.path.exists(out_file):
+        if "ptrace" in message.lower() or "permission" in message.lower():
+            fail("py-spy may not trace processes here (ptrace); in Docker, run the container with "
+                 "--cap-add SYS_PTRACE; on macOS, run bench.py --profile as root")
+        last = message.strip().splitlines()[-1] if message.strip() else f"exit code {proc.returncode}"
+        fail(f"{' '.join(cmd[:2])} under py-spy failed: {last}")
+    with open(out_file) as f:
+        return label_processes(read_raw(f), child_name), output
+
+
+def shares_table(profiles):
+    """A markdown table: per script and process, each category's share of its main thread's samples."""
+    lines = ["| script | process | " + " | ".join(CATEGORIES) + " | samples |",
+             "|---|---|" + "---:|" * (len(CATEGORIES) + 1)]
+    for script, processes in profiles.items():
+        for label, counts in processes.items():
+            total = sum(counts.values()) or 1
+            shares = " | ".join(f"{counts[name] / total:.1%}" for name in CATEGORIES)
+            lines.append(f"| {script} | {label} | {shares} | {sum(counts.values())} |")
+    return "\n".join(lines)
+
+
+def draw_profiles(profiles, path, title):
+    """A PNG: a group of stacked bars per script, one bar per process, a colour per category."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = [(script, label, counts) for script, processes in profiles.items() for label, counts in processes.items()]
+    firsts = [i == 0 or script != bars[i - 1][0] for i, (script, _, _) in enumerate(bars)]
+    positions = [i + 0.6 * (sum(firsts[:i + 1]) - 1) for i in range(len(bars))]   # a gap between scripts
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(bars) + 2), 4.5))
+    bottoms = [0.0] * len(bars)
+    for name, colour in zip(CATEGORIES, COLOURS):
+        heights = [100 * counts[name] / (sum(counts.values()) or 1) for _, _, counts in bars]
+        ax.bar(positions, heights, 0.8, bottom=bottoms, color=colour, label=name)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(positions, [f"{script}: {label}" if first else label
+                              for first, (script, label, _) in zip(firsts, bars)], rotation=90, fontsize=7)
+    ax.set_ylabel("share of the process's time (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(textwrap.fill(title, 110), fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def timed_rate(step, items_per_step, seconds):
@@ -134,15 +285,20 @@ def tree_rss(pid):
     return rss + sum(tree_rss(child) for child in children)
 
 
-def run_script(script, args, warmup, bf16=False):
-    """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
+def script_command(script, args, warmup, bf16=False):
+    """The command line that runs one script for warm-up + --frames frames."""
     launcher = [sys.executable]
     if script == "a3c_dist":  # as many ranks as the other A3C scripts have workers
         ranks = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
                       str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
-    cmd += args.script_args.get(script, []) + (["--bf16"] if bf16 else [])
+    return cmd + args.script_args.get(script, []) + (["--bf16"] if bf16 else [])
+
+
+def run_script(script, args, warmup, bf16=False):
+    """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
+    cmd = script_command(script, args, warmup, bf16)
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
         peak = 0
@@ -170,9 +326,14 @@ def main():
     parser.add_argument("--envs", type=common.positive_int, help="passed to the DQN scripts and A3C")
     parser.add_argument("--processes", type=common.positive_int, help="passed to the A3C scripts")
     parser.add_argument("--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio")
+    parser.add_argument("--profile", action="store_true",
+                        help="every script also under py-spy: where each process's time goes (table and PNG)")
+    parser.add_argument("--png", default="profile.png", help="where --profile draws (default: profile.png)")
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
+    if args.profile and args.bf16:
+        parser.error("--profile and --bf16 are two benches: run them one at a time")
     device = torch.device("cuda" if args.cuda else "cpu")
     args.script_args = {s: [] for s in SCRIPTS}
     for script in SCRIPTS[1:]:
@@ -207,7 +368,7 @@ def main():
               f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
     print()
 
-    rows, baseline = [], None
+    rows, baseline, profiles = [], None, {}
     for script in args.scripts:
         path = os.path.join(HERE, f"{script}.py")
         if not os.path.exists(path):
@@ -224,6 +385,12 @@ def main():
         bound = min([bound, "env"], key=ceilings.get)
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
+        if args.profile:
+            with tempfile.TemporaryDirectory() as folder:
+                profiles[script], output = profile(script_command(script, args, warmup), os.path.join(folder, "raw"),
+                                                   child_name=CHILD_NAMES.get(script, "child"))
+            last = next(line for line in reversed(output.splitlines()) if line.startswith("{"))   # not py-spy's
+            summary["profiled_fps"] = json.loads(last)["train_fps"]
         rows.append((script, summary, bound))
 
     if args.bf16:
@@ -234,13 +401,21 @@ def main():
                   f"| {mixed['train_fps'] / summary['train_fps']:.2f}x "
                   f"| {summary['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |")
         return
-    print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |")
-    print("|---|---:|---:|---:|---:|")
+    print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |"
+          + (" train fps under py-spy |" if args.profile else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if args.profile else ""))
     for script, summary, bound in rows:
         ratio = f"{summary['train_fps'] / baseline:.2f}x" if baseline else "-"
         fraction = summary["train_fps"] / ceilings[bound]
         print(f"| {script} | {summary['train_fps']:.0f} | {ratio} | {fraction:.0%} ({bound}) "
-              f"| {summary['peak_rss'] / 2**30:.2f} GiB |")
+              f"| {summary['peak_rss'] / 2**30:.2f} GiB |" + (f" {summary['profiled_fps']:.0f} |" if args.profile else ""))
+    if args.profile:
+        print("\nWhere each process's main thread spends its time (py-spy, idle time counted; start-up "
+              "imports, the resource tracker and the torchrun agent left out"
+              + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "") + "):\n")
+        print(shares_table(profiles))
+        draw_profiles(profiles, args.png, f"{machine}; torch {torch.__version__}; commit {commit()}; {command}")
+        print(f"\n{args.png}: the same, drawn")
 
 
 if __name__ == "__main__":

@@ -416,7 +416,7 @@ def argument_parser(description):
 
 
 def bf16_native(device):
-    """Whether the device computes in bfloat16 natively; elsewhere torch emulates it, slower than fp32."""
+    """Whether the device computes in bfloat16 natively; elsewhere torch emulates it."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     capabilities = torch.cpu.get_capabilities()
@@ -431,8 +431,8 @@ def setup(parser, hyperparams):
         parser.error("--cuda given, but no CUDA device is available")
     device = torch.device("cuda" if args.cuda else "cpu")
     if args.bf16 and not bf16_native(device):
-        print(f"{parser.prog}: warning: --bf16 is emulated on this {device.type.upper()}, slower than fp32",
-              file=sys.stderr, flush=True)
+        print(f"{parser.prog}: warning: --bf16 is emulated on this {device.type.upper()}: it may run slower "
+              "than fp32", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, raise_terminated)  # a kill stops as cleanly as Ctrl-C
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
@@ -591,12 +591,12 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The main process's weights where its children read them, in shared CPU memory (share_memory puts
-    them there). On the CPU the main process's network itself is shared, and publish and refresh do
-    nothing: the children act on it while the main process's optimizer steps write it, because copying
-    cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and on the CPU
-    with copies=True, as the tests do) the main process publishes its weights into one flat shared tensor
-    after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
+    """The main process's weights where its children read them, in shared CPU memory (share_memory
+    puts them there). On the CPU the main process's network itself is shared, and publish and
+    refresh do nothing: the children act on it while the main process's optimizer steps write it,
+    because copying cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and
+    on the CPU with copies=True, as the tests do) the main process publishes its weights into one
+    flat shared tensor after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
     from there: no GPU tensor crosses a process boundary, so this works where CUDA IPC does not
     (Windows).
 

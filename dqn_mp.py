@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
 
-The play process sends each step's experience and waits until the main process has taken it, not until
-the main process has trained on it: play overlaps training and runs at most one step ahead of it.
+The play process sends each step's experience and waits until the main process has taken it, not
+until the main process has trained on it: play overlaps training and runs at most one step ahead.
 
 What crosses the process boundary: numpy experience through the pipe, and the weights in shared
-CPU memory. On the CPU the play process acts with the main process's network itself, which the main process's
-optimizer steps change while it plays. With --cuda the main process publishes the weights there after
-every training step, and the play process, after every step it sends, copies them into a network of
-its own on the GPU if they have changed. No GPU tensor crosses the boundary."""
+CPU memory. On the CPU the play process acts with the main process's network itself, which the
+main process's optimizer steps change while it plays. With --cuda the main process publishes the
+weights there after every training step, and the play process, after every step it sends, copies
+them into a network of its own on the GPU if they have changed. No GPU tensor crosses the
+boundary."""
 import copy
 import sys
 

@@ -1,0 +1,156 @@
+"""bench.py --profile: the rules that put a sample in a category, py-spy's raw output read back,
+a calibration against a child whose time is known, and short profiled runs (slow set)."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+
+REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
+slow = pytest.mark.slow
+
+LOOP = [("<module>", "dqn_fast.py"), ("ExperienceSourceFirstLast.__iter__", "common.py")]
+STACKS = [   # (process, stack from the outermost frame in, category)
+    ("DQN main", LOOP + [("AtariVectorEnv.step", "ale_py/vector_env.py")], "emulator"),
+    ("dqn_baseline main", LOOP + [("FireAndNoopsOnReset.reset", "common.py"),
+                                  ("AtariPreprocessing.reset", "gymnasium/wrappers/atari_preprocessing.py")],
+     "emulator"),
+    ("DQN main", LOOP + [("<lambda>", "dqn_fast.py"), ("select_actions", "dqn_fast.py"),
+                         ("Module._call_impl", "torch/nn/modules/module.py")], "acting"),
+    ("DQN main", LOOP + [("<lambda>", "dqn_fast.py"), ("decorate_context", "torch/utils/_contextlib.py"),
+                         ("no_grad.__enter__", "torch/autograd/grad_mode.py")], "other"),   # not training
+    ("DQN main", [("<module>", "dqn_fast.py"), ("calc_loss_dqn", "dqn_fast.py"),
+                  ("unpack_batch_dqn", "common.py"), ("Tensor.to", "torch/_tensor.py")], "training"),
+    ("DQN main", [("<module>", "dqn_fast.py"), ("Tensor.backward", "torch/_tensor.py"),
+                  ("backward", "torch/autograd/__init__.py")], "training"),
+    ("DQN main", [("<module>", "dqn_fast.py"), ("Adam.step", "torch/optim/adam.py")], "training"),
+    ("DQN main", [("<module>", "dqn_fast.py"), ("ReplayBuffer.sample", "common.py")], "replay"),
+    ("DQN main", [("<module>", "dqn_fast.py"), ("RewardTracker.update", "common.py")], "other"),
+    ("dqn_mp main", [("<module>", "dqn_mp.py"), ("ChildProcesses.__iter__", "common.py"),
+                     ("wait", "multiprocessing/connection.py")], "transport"),
+    ("dqn_mp play process", [("play_func", "dqn_mp.py"), ("_child_main.<locals>.send", "common.py"),
+                             ("_ConnectionBase.recv", "multiprocessing/connection.py")], "transport"),
+    ("a3c_grad main", [("<module>", "a3c_grad.py"), ("mean_grads", "a3c_grad.py"),
+                       ("Tensor.to", "torch/_tensor.py")], "training"),
+    ("a3c_grad worker", [("grads_func", "a3c_grad.py"), ("_ConnectionBase.recv", "multiprocessing/connection.py")],
+     "transport"),
+    ("a3c_data worker", [("data_func", "a3c_data.py"), ("unpack_batch_a2c", "common.py"),
+                         ("Module._call_impl", "torch/nn/modules/module.py")], "training"),
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("all_reduce", "a3c_dist.py"), ("unblocked", "common.py"),
+                       ("Thread.join", "threading.py")], "transport"),   # the main thread joining the helper
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("pack_message", "a3c_dist.py")], "transport"),
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("clip_grad_norm_", "torch/nn/utils/clip_grad.py")], "training"),
+]
+
+
+@pytest.mark.parametrize("process, stack, expected", STACKS, ids=[f"{p}-{c}-{i}" for i, (p, _, c) in enumerate(STACKS)])
+def test_a_sample_goes_to_the_category_of_its_innermost_known_frame(process, stack, expected):
+    assert bench.category(stack) == expected
+
+
+def raw_line(processes, tid, frames, count):
+    chain = [f'process {pid}:"{cmd}"' for pid, cmd in processes]
+    thread = f"thread ({tid}): {'MainThread' if tid == processes[-1][0] else 'Thread-1'}"
+    return ";".join(chain + [thread] + [f"{f} ({file}:1)" for f, file in frames]) + f" {count}\n"
+
+
+def test_raw_output_is_read_per_process_main_thread_only_without_helpers_or_imports():
+    main, child = (10, "python dqn_mp.py"), (12, "python -c from multiprocessing.spawn import spawn_main")
+    tracker = (11, "python -c from multiprocessing.resource_tracker import main;main(5)")
+    lines = [
+        raw_line([main], 10, [("<module>", "dqn_mp.py"), ("Adam.step", "torch/optim/adam.py")], 30),
+        raw_line([main], 10, [("<module>", "dqn_mp.py"), ("ReplayBuffer.append", "common.py")], 10),
+        raw_line([main], 10, [("<module>", "dqn_mp.py"), ("_find_and_load", "<frozen importlib._bootstrap>")], 99),
+        raw_line([main], 13, [("SummaryWriter.flush", "tensorboard/writer.py")], 50),   # not the main thread
+        raw_line([main, tracker], 11, [("main", "multiprocessing/resource_tracker.py")], 70),
+        raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("select_actions", "dqn_mp.py")], 20),
+        raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("AtariVectorEnv.step", "ale_py/vector_env.py")], 5),
+    ]
+    labelled = bench.label_processes(bench.read_raw(lines), "play process")
+    assert labelled == {"main process": {"training": 30, "replay": 10},
+                        "play process": {"acting": 20, "emulator": 5}}
+
+
+def test_torchrun_ranks_are_the_processes_and_the_agent_is_left_out():
+    agent = (20, "python -m torch.distributed.run --standalone --nproc-per-node 2 a3c_dist.py")
+    lines = [raw_line([agent], 20, [("main", "torch/distributed/run.py")], 40)]
+    lines += [raw_line([agent, (pid, "python -u a3c_dist.py")], pid, [("<module>", "a3c_dist.py"),
+                                                                       ("all_reduce", "a3c_dist.py")], 7)
+              for pid in (22, 21)]
+    assert bench.label_processes(bench.read_raw(lines), "rank") == {"rank 0": {"transport": 7},
+                                                                    "rank 1": {"transport": 7}}
+
+
+CALIBRATION = """
+import multiprocessing, time
+def busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+def child(conn):
+    while conn.recv() is not None:   # waits 50 ms in the pipe for each message
+        busy(0.05)                   # then computes 50 ms
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(theirs,))
+    proc.start()
+    time.sleep(3)                    # the child's start-up, which imports nothing to leave out
+    for _ in range(60):              # 6 s: a message every 100 ms
+        ours.send(1)
+        time.sleep(0.1)
+    ours.send(None)
+    proc.join()
+"""
+
+
+def test_calibration_a_child_that_waits_half_its_time_in_a_pipe_reads_half_transport(tmp_path):
+    """Sampling at 100 Hz for the 6 s of messages, about 600 samples of the child's messages (and 300
+    of its start-up wait, which is transport too): a binomial share of 600 has a standard deviation
+    of 2 points; py-spy pausing the child to sample it shifts its timing a little. Tolerance: 10
+    points around the 50% of the 6 s, with the 3 s of waiting before the first message counted in."""
+    (tmp_path / "calibrate.py").write_text(CALIBRATION)
+    labelled, _ = bench.profile([sys.executable, str(tmp_path / "calibrate.py")], str(tmp_path / "raw"), rate=100)
+    counts = labelled["child"]
+    total = sum(counts.values())
+    expected = (3 + 0.5 * 6) / 9   # waiting: all of the first 3 s, half of the next 6
+    assert total > 500
+    assert abs(counts["transport"] / total - expected) < 0.10, counts
+    assert counts["transport"] + counts["other"] == total   # computing in plain Python is "other"
+
+
+def test_where_py_spy_may_not_trace_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13): ptrace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench.shutil, "which", lambda name: str(fake))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.profile([sys.executable, "-c", "pass"], str(tmp_path / "raw"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("bench.py: error: py-spy may not trace") and "--cap-add SYS_PTRACE" in err
+
+
+@slow
+def test_a_profiled_cartpole_run_finds_every_process_and_its_work(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--profile", "--env", "cartpole",
+                           "--frames", "6000", "--seconds", "0.5", "--scripts", "dqn_baseline", "dqn_mp",
+                           "--png", str(tmp_path / "profile.png")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in proc.stdout.splitlines()
+            if line.startswith("| dqn_")}
+    shares = {key: dict(zip(bench.CATEGORIES, (float(c.strip().rstrip("%")) for c in line.split("|")[3:9])))
+              for key, line in rows.items() if "process" in key[1]}   # the shares table's rows
+    assert set(shares) == {("dqn_baseline", "main process"), ("dqn_mp", "main process"),
+                           ("dqn_mp", "play process")}
+    play = shares[("dqn_mp", "play process")]
+    assert play["acting"] > 0 and play["emulator"] > 0 and play["training"] == 0   # on CartPole, a few % each
+    assert shares[("dqn_mp", "main process")]["training"] > 10
+    assert shares[("dqn_baseline", "main process")]["training"] > 10
+    assert (tmp_path / "profile.png").stat().st_size > 10_000
