@@ -109,10 +109,10 @@ def label_processes(processes, child_name="child"):
            if not any(helper in entry[0] for helper in HELPERS)}
     labelled, children = {}, []
     for pid, (cmd, parent, counts) in job.items():
-        if parent in job or child_name == "rank":
+        if parent in job or child_name == "rank" and parent is not None:
             children.append(counts)
-        else:
-            labelled["main process"] = counts
+        elif child_name != "rank":   # under torchrun the first process is the agent, whose command line
+            labelled["main process"] = counts   # py-spy may read as empty
     if len(children) == 1 and child_name != "rank":
         return dict(labelled, **{child_name: children[0]})
     return dict(labelled, **{f"{child_name} {i}": counts for i, counts in enumerate(children)})
