@@ -108,7 +108,7 @@ def label_processes(processes, child_name="child"):
     job = {pid: entry for pid, entry in sorted(processes.items())
            if not any(helper in entry[0] for helper in HELPERS)}
     labelled, children = {}, []
-    for pid, (cmd, parent, counts) in job.items():
+    for _, parent, counts in job.values():
         if parent in job or child_name == "rank" and parent is not None:
             children.append(counts)
         elif child_name != "rank":   # under torchrun the first process is the agent, whose command line
