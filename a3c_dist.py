@@ -119,31 +119,29 @@ def grads_func(params, args, env, net, rank, device):
 
 
 def pack_message(net, samples, stats, new_frames, episodes, stop, rank, world_size):
-    """One flat tensor: the gradient and the loss stats, each times samples, then samples, frames
-    played and the word to stop; then a slot for each rank, zeros but this rank's own: the number of
-    finished episodes and their (reward, steps), padded to MAX_EPISODES. Summed over the ranks, the
-    slots hold every rank's episodes."""
-    slots = torch.zeros(world_size, 1 + 2 * MAX_EPISODES)
-    slots[rank, :1 + 2 * len(episodes)] = torch.tensor([len(episodes)] + [x for episode in episodes for x in episode])
+    """One flat tensor, for all_reduce to sum over the ranks: the gradient and the loss stats, each
+    times samples; samples, frames played and the word to stop; then a slot per rank for up to
+    MAX_EPISODES finished episodes as (reward, steps), zeros but this rank's own."""
     grad = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu()
-    tail = torch.tensor([stats[name] for name in STATS] + [1.0])
-    return torch.cat([grad * samples, tail * samples, torch.tensor([new_frames, stop]), slots.flatten()])
+    stats = torch.tensor([stats[name] for name in STATS])
+    episode_slots = torch.zeros(world_size, MAX_EPISODES, 2)
+    episode_slots[rank, :len(episodes)] = torch.tensor(episodes).view(-1, 2)
+    counts = torch.tensor([samples, new_frames, stop])
+    return torch.cat([grad * samples, stats * samples, counts, episode_slots.flatten()])
 
 
 def unpack_message(msg, net, world_size):
     """From the sum of every rank's pack_message: set net's grads to the gradient of the mean loss
     over all the samples; return the stats of all the samples, frames played, episodes, and stop."""
     sizes = [p.numel() for p in net.parameters()]
-    grad_sum, head, slots = msg.split([sum(sizes), len(STATS) + 3, world_size * (1 + 2 * MAX_EPISODES)])
-    *stats, samples, new_frames, stop = head.tolist()
+    grad_sum, stats_sum, counts, episode_slots = msg.split([sum(sizes), len(STATS), 3, world_size * MAX_EPISODES * 2])
+    samples, new_frames, stop = counts.tolist()
     grads = (grad_sum / samples).to(next(net.parameters()).device).split(sizes)
     for param, grad in zip(net.parameters(), grads):
         param.grad = grad.view_as(param)
-    episodes = []
-    for count, *pairs in slots.view(world_size, -1).tolist():
-        pairs = pairs[:2 * int(count)]
-        episodes += [(reward, int(steps)) for reward, steps in zip(pairs[0::2], pairs[1::2])]
-    return {name: value / samples for name, value in zip(STATS, stats)}, int(new_frames), episodes, bool(stop)
+    stats = {name: value / samples for name, value in zip(STATS, stats_sum.tolist())}
+    episodes = [(reward, int(steps)) for reward, steps in episode_slots.view(-1, 2).tolist() if steps]  # empty: 0 steps
+    return stats, int(new_frames), episodes, bool(stop)
 
 
 def all_reduce(msg):

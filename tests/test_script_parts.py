@@ -271,7 +271,7 @@ def test_a3c_dist_shares_a3c_grad_code_and_hyperparameters():
 def test_a3c_dist_sum_of_the_ranks_messages_gives_the_mean_weighted_by_samples_and_every_episode():
     net = torch.nn.Linear(2, 1)                        # parameters: weight [1, 2], bias [1]
     sent = [([[1.0, 2.0]], [3.0], 1, 1.0, 8, [(21.0, 900)]),                   # rank 0: 1 sample
-            ([[11.0, 22.0]], [33.0], 3, 5.0, 16, [(-3.5, 12), (1.0, 40)])]      # rank 1: 3 samples
+            ([[11.0, 22.0]], [33.0], 3, 5.0, 16, [(-3.5, 12), (0.0, 40)])]      # rank 1: 3 samples
     msgs = []
     for rank, (weight_grad, bias_grad, samples, stat, frames, episodes) in enumerate(sent):
         net.weight.grad, net.bias.grad = torch.tensor(weight_grad), torch.tensor(bias_grad)
@@ -282,7 +282,8 @@ def test_a3c_dist_sum_of_the_ranks_messages_gives_the_mean_weighted_by_samples_a
     assert net.weight.grad.tolist() == [[8.5, 17.0]]             # (1 * 1 + 3 * 11) / 4, (2 + 66) / 4
     assert net.bias.grad.tolist() == [25.5]                      # (3 + 99) / 4
     assert stats == dict.fromkeys(a3c_dist.STATS, 4.0)            # (1 + 3 * 5) / 4
-    assert frames == 24 and episodes == [(21.0, 900), (-3.5, 12), (1.0, 40)] and stop is False
+    # an episode that scored 0 is kept: only padding has 0 steps
+    assert frames == 24 and episodes == [(21.0, 900), (-3.5, 12), (0.0, 40)] and stop is False
 
 
 def test_a3c_dist_rank_0s_word_to_stop_reaches_every_rank():
