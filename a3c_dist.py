@@ -123,11 +123,11 @@ def pack_message(net, samples, stats, new_frames, episodes, stop, rank, world_si
     times samples; samples, frames played and the word to stop; then a slot per rank for up to
     MAX_EPISODES finished episodes as (reward, steps), zeros but this rank's own."""
     grad = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu()
-    stats = torch.tensor([stats[name] for name in STATS])
+    stat_values = torch.tensor([stats[name] for name in STATS])
     episode_slots = torch.zeros(world_size, MAX_EPISODES, 2)
     episode_slots[rank, :len(episodes)] = torch.tensor(episodes).view(-1, 2)
     counts = torch.tensor([samples, new_frames, stop])
-    return torch.cat([grad * samples, stats * samples, counts, episode_slots.flatten()])
+    return torch.cat([grad * samples, stat_values * samples, counts, episode_slots.flatten()])
 
 
 def unpack_message(msg, net, world_size):
