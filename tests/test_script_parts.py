@@ -343,7 +343,7 @@ def relative_error(approx, exact):
     return ((approx - exact).norm() / exact.norm()).item()
 
 
-def dqn_backward(net, frames, seed):
+def dqn_backward(net, frames, seed, device):
     rng = np.random.default_rng(seed)
     tgt_net = copy.deepcopy(net)
     batch = (frames, rng.integers(6, size=32), rng.uniform(-1, 1, size=32).astype(np.float32),
@@ -351,27 +351,31 @@ def dqn_backward(net, frames, seed):
 
     def backward():
         net.zero_grad()
-        loss = dqn_fast.calc_loss_dqn(batch, net, tgt_net, 0.99, "cpu")
+        loss = dqn_fast.calc_loss_dqn(batch, net, tgt_net, 0.99, device)
         loss.backward()
         return loss.detach()
     return backward
 
 
-def a2c_backward(net, frames, seed):
+def a2c_backward(net, frames, seed, device):
     rng = np.random.default_rng(seed)
-    actions, ref_vals = torch.as_tensor(rng.integers(6, size=32)), torch.as_tensor(rng.uniform(-1, 1, size=32))
+    states = torch.as_tensor(frames, device=device)
+    actions = torch.as_tensor(rng.integers(6, size=32), device=device)
+    ref_vals = torch.as_tensor(rng.uniform(-1, 1, size=32), dtype=torch.float32, device=device)
 
     def backward():
         net.zero_grad()
-        loss = a3c_data.calc_loss_a2c(net, torch.as_tensor(frames), actions, ref_vals.float(), 0.01)[0]
+        loss = a3c_data.calc_loss_a2c(net, states, actions, ref_vals, 0.01)[0]
         loss.backward()
         return loss.detach()
     return backward
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make, backward", [(dqn_fast.DQN, dqn_backward), (a3c_data.A2C, a2c_backward)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, seed, pong_frames):
+def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, seed, device, pong_frames,
+                                                                 monkeypatch):
     """The bound, first order in U. Under autocast a layer rounds its two operands to bf16 (a
     relative error of at most U each) and sums their products in fp32, so each product is off by at
     most 2U. A weight's gradient comes from L = 4 such layers in a row (3 convolutions and the hidden
@@ -380,9 +384,10 @@ def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, 
     2 L U times its condition number (reduction_condition): 8 U times that, per weight tensor.
     The loss is mostly a mean of squares (the value term dominates A2C's at these returns), terms
     that do not cancel: 2 L U."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)   # an fp32 reference, not TF32's 10 bits
     torch.manual_seed(seed)
-    net = make((4, 84, 84), 6)
-    run = backward(net, pong_frames, seed)
+    net = make((4, 84, 84), 6).to(device)
+    run = backward(net, pong_frames, seed, device)
     condition = reduction_condition(net, run)
     loss32 = run()
     grads32 = [m.weight.grad.clone() for m in weighted_layers(net)]
@@ -398,14 +403,17 @@ def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, 
     assert any(relative_error(g16, g32) > U / 4 for g16, g32 in zip(grads16, grads32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [dqn_fast.DQN, a3c_data.A2C])
-def test_bf16_net_returns_fp32_and_nearly_fp32_values(make, pong_frames):
+def test_bf16_net_returns_fp32_and_nearly_fp32_values(make, device, pong_frames, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
-    net = make((4, 84, 84), 6)
+    net = make((4, 84, 84), 6).to(device)
+    states = torch.as_tensor(pong_frames, device=device)
     with torch.no_grad():
-        exact = net(torch.as_tensor(pong_frames))
+        exact = net(states)
         net.bf16 = True
-        mixed = net(torch.as_tensor(pong_frames))
+        mixed = net(states)
     for approx, value in zip(*(out if isinstance(out, tuple) else (out,) for out in (mixed, exact))):
         assert approx.dtype == torch.float32
         assert 0 < relative_error(approx, value) <= 2 * 4 * U   # 4 layers, two rounded operands each
