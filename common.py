@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 
 import ale_py
 import gymnasium as gym
@@ -582,11 +583,15 @@ def page_lock(tensor):
     """Page-lock this process's mapping of a shared CPU tensor, on Linux, so that copies between it
     and the GPU go straight to memory, not through a staging buffer of the driver's. Each process
     maps shared memory at addresses of its own, so each locks its own mapping, once. A refusal
-    raises: CUDA would otherwise report it at the next kernel launch, as that kernel's error.
-    Elsewhere the copies go through pageable memory (Windows' drivers limit page-locked memory)."""
+    raises: CUDA would otherwise report it at the next kernel launch, as that kernel's error. The
+    lock ends with the tensor: one that outlived its memory would hold the old pages, and the GPU's
+    copies into a later tensor at the same addresses would land there, unseen. Elsewhere the copies
+    go through pageable memory (Windows' drivers limit page-locked memory)."""
     if sys.platform != "linux" or tensor.is_pinned():
         return
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
 # ---------------------------------------------------------------- weights for the children

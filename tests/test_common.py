@@ -543,6 +543,19 @@ def shared_weights(net, copies=None):
     return weights
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_copies_reach_each_page_locked_tensor_also_one_at_a_freed_ones_addresses():
+    # freed shared memory is often mapped again at the same addresses: a lock that outlived the
+    # first tensor would send the second's copies from the GPU to the first one's pages
+    for value in (1.0, 2.0):
+        tensor = torch.zeros(1000).share_memory_()
+        common.page_lock(tensor)
+        assert tensor.is_pinned()
+        tensor.copy_(torch.full((1000,), value, device="cuda"))
+        assert torch.equal(tensor, torch.full((1000,), value))
+        del tensor
+
+
 @pytest.mark.parametrize("device, copies", COPIES)
 def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device, copies):
     learner = nn.Linear(3, 2).to(device)
