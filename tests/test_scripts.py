@@ -202,10 +202,13 @@ def tagged_env(tag):
 
 
 def hooked_env(tmp_path, hook, env=None):
-    """The environment (os.environ unless given) in which every Python process runs `hook` first."""
+    """The environment (os.environ unless given) in which every Python process runs `hook` first;
+    its PYTHONPATH comes after the hook's (packages may be installed there)."""
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
-    return dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+    env = dict(env or os.environ)
+    paths = [str(tmp_path / "hook"), REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    return dict(env, PYTHONPATH=os.pathsep.join(paths))
 
 
 def environ_has(pid, entry):
