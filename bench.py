@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Measure the ceilings of this machine, then every script for the same number of training frames,
-and print a markdown table: train fps, ratio to dqn_baseline, fraction of the ceiling, peak memory.
+and print a markdown table: train fps (counted from the end of the first training step, which for
+dqn_compile compiles, timed on a line of its own), ratio to dqn_baseline, fraction of the ceiling,
+peak memory.
 With --bf16, every script runs twice, in fp32 and with --bf16, one after the other, and the table
 gives both and their ratio. With --profile, every script runs twice, alone and under py-spy, and a
 second table and a PNG show, for each of its processes, the share of time spent in each category
@@ -48,6 +50,7 @@ RULES = [
     ("training", "torch/optim/", None),               # the optimizer step
     ("training", "torch/nn/utils/clip_grad.py", None),
     ("replay", "common.py", {"ReplayBuffer.append", "ReplayBuffer.sample"}),
+    ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
     ("transport", "multiprocessing/connection.py", None),   # pipes: sending, receiving, waiting
     ("transport", "torch/distributed/", None),        # collectives
     ("transport", "common.py", {"unblocked", "ChildProcesses.__iter__", "SharedWeights.publish",
@@ -344,8 +347,10 @@ def main():
     env = common.make_fast_env(args.env, 1)
     space, n_actions = env.single_observation_space, env.single_action_space.n
     env.close()
+    dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
     ceilings = {
         "env": env_ceiling(args.env, 8, args.seconds),
+        f"env, {dqn_envs} envs": env_ceiling(args.env, dqn_envs, args.seconds),
         "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
@@ -360,7 +365,8 @@ def main():
     command = " ".join(["python bench.py"] + sys.argv[1:])
     print(f"Machine: {machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
           f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {command}")
-    print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s; "
+    print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s, "
+          f"with {dqn_envs} envs {ceilings[f'env, {dqn_envs} envs']:.0f}; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
           f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s")
     if args.bf16:
@@ -376,13 +382,15 @@ def main():
         warmup = dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
         summary = run_script(script, args, warmup)
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+        if script == "dqn_compile":   # train fps is counted after it
+            print(f"{script}: first training step, with its compilation, {summary['first_step_seconds']:.1f} s")
         if args.bf16:
             mixed = run_script(script, args, warmup, bf16=True)
             print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
             rows.append((script, summary, mixed))
             continue
-        bound = "DQN net" if script.startswith("dqn") else "A2C net"
-        bound = min([bound, "env"], key=ceilings.get)
+        bounds = ["DQN net", f"env, {dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", "env"]
+        bound = min(bounds, key=ceilings.get)
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         if args.profile:

@@ -91,9 +91,11 @@ class ExperienceSourceFirstLast:
     """Steps a vector env with a batched agent; each iteration is one step of all envs and
     yields the n-step experiences it completed."""
 
-    def __init__(self, env, agent, gamma, steps_count=1, seed=None):
+    def __init__(self, env, agent, gamma, steps_count=1, seed=None, overlap=False):
+        """overlap: the envs play each step while the caller works on the experiences of the step
+        before (the env needs send and recv, as ale-py's vector env has)."""
         self.env, self.agent = env, agent
-        self.gamma, self.steps_count, self.seed = gamma, steps_count, seed
+        self.gamma, self.steps_count, self.seed, self.overlap = gamma, steps_count, seed, overlap
         self.frames = 0                  # agent steps taken, all envs together
         self.finished = []               # (reward, steps) of episodes ended since pop_episodes()
 
@@ -104,9 +106,15 @@ class ExperienceSourceFirstLast:
         history = [collections.deque() for _ in range(n)]   # (state, action, reward) per env
         ep_reward, ep_steps = np.zeros(n), np.zeros(n, dtype=np.int64)
         needs_reset = np.zeros(n, dtype=bool)
+        exps = []
         while True:
             actions = self.agent(obs)
-            next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
+            if self.overlap:
+                self.env.send(actions)
+                yield exps   # the caller works on the last step's experiences while the envs play this one
+                next_obs, rewards, terminated, truncated, _ = self.env.recv()
+            else:
+                next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
             exps = []
             for i in range(n):
                 if needs_reset[i]:       # next-step autoreset: this step only reset env i
@@ -129,7 +137,8 @@ class ExperienceSourceFirstLast:
                     exps.append(self._first_last(history[i], next_obs[i]))
                     history[i].popleft()
             obs = next_obs
-            yield exps
+            if not self.overlap:
+                yield exps
 
     def _first_last(self, history, last_state):
         """Experience from the first state in history to last_state."""
@@ -255,7 +264,7 @@ class RewardTracker:
         self.rewards = collections.deque(maxlen=100)
         self.losses = collections.deque(maxlen=100)
         self.frames = self.episodes = 0
-        self.best_mean = self.train_start = None
+        self.best_mean = self.train_start = self.first_step_seconds = None
         self.solved, self.exit_code = False, 0
         self.start = self.updated = time.perf_counter()
         self.last_print = (0, self.start)
@@ -302,8 +311,10 @@ class RewardTracker:
     @signals_held()
     def train(self, **scalars):
         """Log training scalars as train/<name>; a loss also feeds train/avg_loss."""
-        if self.train_start is None:  # training began after the last update: count its first step (a compile)
-            self.train_start = (self.frames, self.updated)
+        if self.train_start is None:  # the first training step (dqn_compile's compile) is timed apart
+            now = time.perf_counter()
+            self.first_step_seconds = now - self.updated
+            self.train_start = (self.frames, now)
         for name, value in scalars.items():
             self.writer.add_scalar(f"train/{name}", value, self.frames)
         if "loss" in scalars:
@@ -321,6 +332,7 @@ class RewardTracker:
                 "train_frames": train_frames, "episodes": self.episodes,
                 "seconds": round(seconds, 1), "fps": round(self.frames / seconds, 1),
                 "train_fps": round(train_frames / train_seconds, 1) if train_seconds else 0.0,
+                "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 1),
                 "mean_reward": float(np.mean(self.rewards)) if self.rewards else None,
                 "solved": self.solved}
 

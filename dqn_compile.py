@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""DQN on Pong, compiled: dqn_fast.py with its acting pass and its training step compiled by
-torch.compile, and on the GPU replayed as CUDA graphs.
+"""DQN on Pong, compiled: dqn_fast.py with the replay buffer on the device, acting and the training
+step compiled by torch.compile (on the GPU replayed as CUDA graphs), and on the GPU the emulators
+playing while the GPU trains.
 
-Each compiled function sees one shape, so each compiles once: acting takes a batch of N states
-without gradient, the training step 32 x N samples with it. Compiling is part of the run: the
-acting pass compiles at start-up (where a machine without a working compiler stops, with one line),
-the training step at the first training step, which train_fps counts. The learning is dqn_fast's:
-same hyperparameters, same samples per frame."""
+Per step of the N envs, what crosses between host and device: the N states to act on and the
+step's new transitions, to the device; the N actions, back (the one wait of a step). The training
+step draws its 32 x N transitions on the device; its loss is read every LOG_EVERY steps. With
+--cuda on Atari, the envs play step t+1 while the script stores step t's transitions and queues
+its training step, so the actions of step t+1 are chosen before that training step: one training
+step older than dqn_fast's. Otherwise the learning is dqn_fast's: same hyperparameters, same
+samples per frame.
+
+Compiling is part of the run: acting compiles at start-up (where a machine without a working
+compiler stops, with one line), the training step at the first training step, whose time the
+summary gives apart (first_step_seconds)."""
 import copy
 import sys
 import time
@@ -73,13 +80,12 @@ def epsilon_by_frame(params, frames):
 
 
 @torch.no_grad()  # acting needs no graph
-def select_actions(net, states, epsilon, device):
-    """Epsilon-greedy actions for a batch of states."""
-    q_vals = net(torch.as_tensor(states, device=device))
-    actions = q_vals.argmax(dim=1).cpu().numpy()
-    explore = np.random.random(len(actions)) < epsilon
-    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
-    return actions
+def select_actions(net, states, epsilon):
+    """Epsilon-greedy actions for a batch of states, drawn on their device: no sync but the caller's."""
+    q_vals = net(states)
+    explore = torch.rand(len(states), device=states.device) < epsilon
+    random_actions = torch.randint(q_vals.shape[1], (len(states),), device=states.device)
+    return torch.where(explore, random_actions, q_vals.argmax(dim=1))
 
 
 def calc_loss_dqn(batch, net, tgt_net, gamma, device):
@@ -92,13 +98,72 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
-def train_step(batch, net, tgt_net, optimizer, gamma, device):
-    """One optimizer step on the batch's loss, as one function for torch.compile; returns the loss."""
+def train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
+    """One optimizer step on the loss of batch_size transitions sampled on the device, as one function
+    for torch.compile; returns the loss."""
     optimizer.zero_grad()
-    loss = calc_loss_dqn(batch, net, tgt_net, gamma, device)
+    loss = calc_loss_dqn(buffer.sample(batch_size), net, tgt_net, gamma, buffer.device)
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+# ---------------------------------------------------------------- replay buffer on the device
+class DeviceReplayBuffer:
+    """common.ReplayBuffer's ring of one-step transitions, the same arrays as tensors on the device,
+    where the training step samples it: a step's new transitions cross from the host, no batch does."""
+
+    def __init__(self, capacity, obs_space, device):
+        self.capacity, self.device = capacity, device
+        self.count = 0                          # transitions ever stored: the ring's position, on the host
+        shape, dtype = obs_space.shape, torch.as_tensor(obs_space.sample()).dtype
+        self.stacked = len(shape) == 3          # as in common.ReplayBuffer: of a next state, its newest frame
+        last_shape = shape[1:] if self.stacked else shape
+        self.states = torch.zeros((capacity, *shape), dtype=dtype, device=device)
+        self.actions = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.rewards = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self.dones = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.last_states = torch.zeros((capacity, *last_shape), dtype=dtype, device=device)
+        self.size = torch.zeros((), dtype=torch.int64, device=device)   # the compiled step reads a tensor, not an int
+        for tensor in (self.states, self.actions, self.rewards, self.dones, self.last_states, self.size):
+            torch._dynamo.mark_static_address(tensor)   # a CUDA graph reads it in place: never copied in, never recompiled
+
+    def __len__(self):
+        return min(self.count, self.capacity)
+
+    def extend(self, exps):
+        """Store one step's experiences, overwriting the oldest: one copy to the device per array."""
+        if not exps:
+            return
+        last_states = [np.zeros_like(e.state) if e.last_state is None else e.last_state for e in exps]
+        columns = (np.stack([e.state for e in exps]), np.array([e.action for e in exps], dtype=np.int64),
+                   np.array([e.reward for e in exps], dtype=np.float32),
+                   np.array([e.last_state is None for e in exps]),
+                   np.stack([s[-1] for s in last_states] if self.stacked else last_states))
+        idx = torch.arange(self.count, self.count + len(exps), device=self.device) % self.capacity
+        for tensor, column in zip((self.states, self.actions, self.rewards, self.dones, self.last_states), columns):
+            tensor[idx] = self._to_device(column)
+        self.count += len(exps)
+        self.size.fill_(len(self))
+
+    def _to_device(self, array):
+        """The array on the device; from the host's page-locked memory the copy is queued, not waited for."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    def sample(self, batch_size):
+        """batch_size transitions drawn uniformly, by indices drawn on the device."""
+        return self.at((torch.rand(batch_size, device=self.device) * self.size).long())
+
+    def at(self, idx):
+        """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
+        gives them: next states rebuilt from the states' last 3 frames and the stored newest one."""
+        states, last_states = self.states[idx], self.last_states[idx]
+        if self.stacked:
+            last_states = torch.cat([states[:, 1:], last_states.unsqueeze(1)], dim=1)
+        return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
 
 def compile_or_exit(parser, fn, mode, probe_args):
@@ -121,30 +186,30 @@ if __name__ == "__main__":
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     mode = "reduce-overhead" if args.cuda else None  # on the GPU, a step's kernels replay as one CUDA graph
+    epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
+    torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
     states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
-    with torch.no_grad():  # acting's graph, compiled without gradient
-        act_net = compile_or_exit(parser, net, mode, [states])
+    act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
     compiled_step = torch.compile(train_step, mode=mode)
-    buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
-    epsilon = epsilon_by_frame(params, 0)
+    buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
+    # on the GPU, ale-py's envs play the next step in their own threads while the GPU trains on this one
+    overlap = args.cuda and hasattr(env, "send")
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(act_net, states, epsilon, device), params.gamma, seed=args.seed)
+        env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
+        params.gamma, seed=args.seed, overlap=overlap)
     train_steps = 0
 
     with common.RewardTracker(args, net, env) as tracker:
         for exps in exp_source:
-            for exp in exps:
-                buffer.append(exp)
-            epsilon = epsilon_by_frame(params, exp_source.frames)
+            buffer.extend(exps)
+            epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
             if tracker.update(exp_source.frames, exp_source.pop_episodes()):
                 break
             if len(buffer) < params.replay_start:
                 continue
-            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
-            # tensors on the device before the compiled step: a graph with CPU inputs is no CUDA graph
-            batch = common.unpack_batch_dqn(buffer.sample(params.batch_size * args.envs), device)
             started = time.perf_counter()
-            loss = compiled_step(batch, net, tgt_net, optimizer, params.gamma, device)
+            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
+            loss = compiled_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
             train_steps += 1
             if train_steps == 1:  # torch.compile compiles at the first call: this step pays for it
                 if args.cuda:
@@ -154,5 +219,5 @@ if __name__ == "__main__":
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             if train_steps % LOG_EVERY == 1:  # .item() waits for the GPU: read the loss now and then
-                tracker.train(loss=loss.item(), epsilon=epsilon)
+                tracker.train(loss=loss.item(), epsilon=epsilon.item())
     sys.exit(tracker.exit_code)

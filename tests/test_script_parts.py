@@ -3,6 +3,7 @@ import copy
 import inspect
 import pathlib
 import sys
+import time
 import types
 
 import gymnasium as gym
@@ -30,7 +31,8 @@ A3C_MODULES = [a3c_data, a3c_grad]
 # ---------------------------------------------------------------- the copies between scripts
 @pytest.mark.parametrize("modules, names", [
     (DQN_MODULES, ["PONG", "CARTPOLE", "HYPERPARAMS", "DQN", "epsilon_by_frame"]),
-    ([dqn_fast, dqn_mp, dqn_compile], ["select_actions", "calc_loss_dqn"]),
+    ([dqn_fast, dqn_mp], ["select_actions"]),
+    ([dqn_fast, dqn_mp, dqn_compile], ["calc_loss_dqn"]),
     (A3C_MODULES, ["A2C", "select_actions", "calc_loss_a2c"]),
 ])
 def test_copies_between_scripts_are_identical(modules, names):
@@ -154,28 +156,69 @@ def random_dqn_batch(rng, device="cpu"):
     return tuple(torch.as_tensor(array, device=device) for array in arrays)
 
 
-def test_dqn_compile_training_step_compiled_leaves_the_weights_an_eager_one_does():
-    torch.manual_seed(0)
-    nets, tgt_net = [dqn_compile.DQN((4,), 2) for _ in range(2)], dqn_compile.DQN((4,), 2)
-    nets[1].load_state_dict(nets[0].state_dict())
-    start = [p.detach().clone() for p in nets[0].parameters()]
-    batch = random_dqn_batch(np.random.default_rng(0))
-    optimizers = [torch.optim.Adam(net.parameters(), lr=1e-3) for net in nets]
-    steps = [dqn_compile.train_step, torch.compile(dqn_compile.train_step)]
-    for _ in range(3):
-        eager, compiled = [step(batch, net, tgt_net, optimizer, GAMMA, "cpu")
-                           for step, net, optimizer in zip(steps, nets, optimizers)]
-        assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
-    for eager, compiled, before in zip(nets[0].parameters(), nets[1].parameters(), start):
-        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
-        assert not torch.equal(eager, before)   # every weight moved: the steps were real
+def pong_transitions(steps):
+    """The one-step experiences of `steps` steps of 2 Pong envs under random actions (seed 0), a
+    step's list at a time: real frames, and (within 1,000 steps) an episode's end."""
+    env = common.make_fast_env("pong", 2)
+    rng = np.random.default_rng(0)
+    source = common.ExperienceSourceFirstLast(env, lambda obs: rng.integers(6, size=2), GAMMA, seed=0)
+    played = [exps for _, exps in zip(range(steps), source)]
+    env.close()
+    return played
+
+
+def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same_indices():
+    # a ring of 500 that wraps 4 times over 1,100 steps of 2 envs, an episode's end included
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    host, device = common.ReplayBuffer(500, space), dqn_compile.DeviceReplayBuffer(500, space, torch.device("cpu"))
+    checked = 0
+    for exps in pong_transitions(1100):
+        for exp in exps:
+            host.append(exp)
+        device.extend(exps)
+        assert len(device) == len(host)
+        if any(exp.last_state is None for exp in exps) or len(host) in (7, 500):   # an end, part full, full
+            host.rng = np.random.default_rng(checked)
+            idx = np.random.default_rng(checked).integers(0, len(host), 300)      # what host.sample draws
+            for expected, got in zip(host.sample(300), device.at(torch.as_tensor(idx))):
+                assert np.array_equal(expected, got.numpy())
+            checked += 1
+    assert device.count > 2000   # 2 envs, 1,100 steps, less the steps that only reset an env
+    assert checked >= 3 and host.dones.any()
+
+
+def test_dqn_compile_device_buffer_samples_only_what_it_holds():
+    space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    buffer = dqn_compile.DeviceReplayBuffer(8, space, torch.device("cpu"))
+    state = np.zeros(4, np.float32)
+    buffer.extend([common.ExperienceFirstLast(state + v, v, v / 2, state + v + 1, 1) for v in (1.0, 2.0, 3.0)])
+    states, actions, rewards, dones, last_states = buffer.sample(1000)
+    assert set(actions.tolist()) == {1, 2, 3}                     # 3 of 8 slots filled: only those drawn
+    assert torch.equal(states[:, 0], actions.float()) and torch.equal(rewards, actions / 2)
+    assert torch.equal(last_states[:, 0], actions + 1.0) and not dones.any()
+    for v in range(4, 14):                                        # 10 more: the ring overwrites 1 to 5
+        buffer.extend([common.ExperienceFirstLast(state + v, v, v / 2, None, 1)])
+    states, actions, rewards, dones, last_states = buffer.sample(1000)
+    assert set(actions.tolist()) == set(range(6, 14)) and dones.all() and not last_states.any()
+
+
+def filled_device_buffer(device, capacity=64):
+    """A DeviceReplayBuffer of 4-vectors on device, full, some transitions terminal."""
+    rng = np.random.default_rng(0)
+    buffer = dqn_compile.DeviceReplayBuffer(capacity, gym.spaces.Box(-np.inf, np.inf, (4,), np.float32), device)
+    buffer.extend([common.ExperienceFirstLast(rng.normal(size=4).astype(np.float32), int(rng.integers(2)),
+                                              float(rng.normal()), None if rng.random() < 0.2 else
+                                              rng.normal(size=4).astype(np.float32), 1) for _ in range(capacity)])
+    return buffer
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_recompile_or_skipped_graph(device):
-    # as dqn_compile.py runs them: acting compiled without gradient, then training steps (on the GPU
-    # as CUDA graphs: warm-up, recording, replays) with acting between them and a target sync after
-    # some replays; a twin takes the same steps eagerly
+    # as dqn_compile.py runs them: acting compiled without gradient, then training steps that sample
+    # the device buffer (on the GPU as CUDA graphs: warm-up, recording, replays), with new
+    # transitions, acting and a new epsilon between them and a target sync after some replays; a
+    # twin takes the same steps eagerly. Drawn as eager code draws (fallback_random), the compiled
+    # step samples the same indices from the same seed
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
@@ -185,24 +228,78 @@ def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_re
     nets[1].load_state_dict(nets[0].state_dict())
     tgt_nets = [copy.deepcopy(net) for net in nets]
     optimizers = [torch.optim.Adam(net.parameters(), lr=1e-3) for net in nets]
-    rng = np.random.default_rng(0)
+    buffers = [filled_device_buffer(device) for _ in range(2)]
+    start = [p.detach().clone() for p in nets[0].parameters()]
+    rng = np.random.default_rng(1)
     states = torch.as_tensor(rng.normal(size=(3, 4)).astype(np.float32), device=device)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        with torch.no_grad():
-            act_net = dqn_compile.compile_or_exit(None, nets[1], mode, [states])
+    epsilon = torch.tensor(1.0, device=device)
+    torch._dynamo.mark_static_address(epsilon)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch(fallback_random=True):
+        act = dqn_compile.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
         compiled_step = torch.compile(dqn_compile.train_step, mode=mode)
         for step in range(1, 9):
-            batch = random_dqn_batch(rng, device)
-            eager = dqn_compile.train_step(batch, nets[0], tgt_nets[0], optimizers[0], GAMMA, device)
-            compiled = compiled_step(batch, nets[1], tgt_nets[1], optimizers[1], GAMMA, device)
+            torch.manual_seed(step)
+            eager = dqn_compile.train_step(buffers[0], nets[0], tgt_nets[0], optimizers[0], 96, GAMMA)
+            torch.manual_seed(step)
+            compiled = compiled_step(buffers[1], nets[1], tgt_nets[1], optimizers[1], 96, GAMMA)
             assert compiled.item() == pytest.approx(eager.item(), rel=1e-4), step
             for eager_param, compiled_param in zip(nets[0].parameters(), nets[1].parameters()):
                 torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
-            with torch.no_grad():   # acting between steps sees the weights the steps made
-                torch.testing.assert_close(act_net(states), nets[0](states), rtol=1e-4, atol=1e-5)
-            if step == 5:           # after replays: the target's weights change under the graphs
+            epsilon.fill_(0.0)   # greedy: acting between steps sees the weights the steps made
+            torch.testing.assert_close(act(nets[1], states, epsilon), nets[0](states).argmax(dim=1))
+            epsilon.fill_(1.0 - step / 8)
+            exp = common.ExperienceFirstLast(rng.normal(size=4).astype(np.float32), step % 2, 1.0, None, 1)
+            for buffer in buffers:
+                buffer.extend([exp])
+            if step == 5:        # after replays: the target's weights change under the graphs
                 for net, tgt_net in zip(nets, tgt_nets):
                     tgt_net.load_state_dict(net.state_dict())
+    for eager_param, before in zip(nets[0].parameters(), start):
+        assert not torch.equal(eager_param, before)   # every weight moved: the steps were real
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_dqn_compile_acting_explores_at_rate_epsilon():
+    net = LinearQ([[0.0, 1.0, 0.0, 0.0]] * 2)          # greedy: action 1, whatever the state
+    states = torch.ones(4000, 2)
+    for epsilon, expected in [(0.0, 0.0), (0.5, 0.5 * 3 / 4), (1.0, 3 / 4)]:   # a random action is 1 a quarter of the time
+        actions = dqn_compile.select_actions(net, states, torch.tensor(epsilon))
+        assert set(actions.tolist()) <= {0, 1, 2, 3}
+        assert (actions != 1).float().mean().item() == pytest.approx(expected, abs=0.03)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_dqn_compile_200_training_steps_queue_on_the_gpu_with_no_host_sync_recompile_or_skipped_graph():
+    # the script's step as it runs on Pong: a step's transitions stored, a compiled training step
+    # replayed as a CUDA graph, a target sync every 50. Behind a kernel that keeps the GPU busy for
+    # about 2 s, none of it may wait for the GPU: the stream is still busy when all 200 are queued
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    device = torch.device("cuda")
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    buffer = dqn_compile.DeviceReplayBuffer(2000, space, device)
+    played = pong_transitions(400)
+    for exps in played[:300]:
+        buffer.extend(exps)
+    net = dqn_compile.DQN(space.shape, 6, bf16=True).to(device)
+    tgt_net = copy.deepcopy(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+    step = torch.compile(dqn_compile.train_step, mode="reduce-overhead")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):   # compiling, warm-up, recording
+            step(buffer, net, tgt_net, optimizer, 96, 0.99)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)   # cycles: about 2 s at the H100's and H200's 1.98 GHz
+        queued = time.perf_counter()
+        for i, exps in enumerate(played[300:] * 2):
+            buffer.extend(exps)
+            loss = step(buffer, net, tgt_net, optimizer, 96, 0.99)
+            if i % 50 == 49:
+                tgt_net.load_state_dict(net.state_dict())
+        queued = time.perf_counter() - queued
+        busy = not torch.cuda.current_stream().query()
+        assert np.isfinite(loss.item())
+    assert busy, f"the GPU finished its 2 s kernel while 200 steps were queued in {queued:.2f} s"
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
