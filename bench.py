@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 import time
@@ -121,10 +122,17 @@ def label_processes(processes, child_name="child"):
     return dict(labelled, **{f"{child_name} {i}": counts for i, counts in enumerate(children)})
 
 
+def find_py_spy():
+    """py-spy's path: on PATH, or where pip puts the scripts of this Python (a virtual environment's
+    python run without activating it, a --user install), or None."""
+    folders = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
+    return shutil.which("py-spy") or shutil.which("py-spy", path=os.pathsep.join(folders))
+
+
 def profile(cmd, out_file, rate=50, child_name="child"):
     """Run cmd under py-spy, sampling every thread of it and its children, idle or not; returns
     {label: Counter of categories} and cmd's output. Where py-spy cannot trace, exit 2 with one line."""
-    spy = shutil.which("py-spy")
+    spy = find_py_spy()
     if spy is None:
         fail("--profile needs py-spy: pip install -r requirements.txt")
     record = [spy, "record", "--subprocesses", "--idle", "--threads", "--format", "raw", "--rate", str(rate),
@@ -422,7 +430,8 @@ def main():
               "imports, the resource tracker and the torchrun agent left out"
               + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "") + "):\n")
         print(shares_table(profiles))
-        draw_profiles(profiles, args.png, f"{machine}; torch {torch.__version__}; commit {commit()}; {command}")
+        named = command.replace(args.png, os.path.basename(args.png))   # the command, not this machine's folders
+        draw_profiles(profiles, args.png, f"{machine}; torch {torch.__version__}; commit {commit()}; {named}")
         print(f"\n{args.png}: the same, drawn")
 
 

@@ -52,8 +52,14 @@ def build_agent(checkpoint, device):
         raise ValueError(f"its weights do not fit the network of {checkpoint['script']}.py as it is now") from None
     net.to(device).eval()
     if is_dqn:
-        return lambda states: script.select_actions(net, states, 0.0, device)  # greedy
+        return lambda states: greedy_actions(net, states, device)
     return lambda states: script.select_actions(net, states, device)  # sampled from the policy
+
+
+@torch.no_grad()
+def greedy_actions(net, states, device):
+    """The action of highest Q-value in each state: how every DQN script's network plays."""
+    return net(torch.as_tensor(states, device=device)).argmax(dim=1).cpu().numpy()
 
 
 def play(env, agent, episodes, seed, frames=None):

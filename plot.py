@@ -64,7 +64,7 @@ if __name__ == "__main__":
     ax.set_xlabel("frames" if args.x == "frames" else "wall-clock minutes")
     ax.set_ylabel("mean reward, last 100 episodes")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")   # beside the curves, never on them
     fig.tight_layout()
     fig.savefig(output, format="png", dpi=100)
     output.close()

@@ -124,11 +124,25 @@ def test_calibration_a_child_that_waits_half_its_time_in_a_pipe_reads_half_trans
     assert counts["transport"] + counts["other"] == total   # computing in plain Python is "other"
 
 
+def test_py_spy_is_found_where_pip_put_it_beside_a_python_run_without_activating_its_environment(
+        tmp_path, monkeypatch):
+    scripts = tmp_path / "venv-bin"
+    scripts.mkdir()
+    (scripts / "py-spy").write_text("#!/bin/sh\n")
+    (scripts / "py-spy").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))   # not activated: its folder is not on PATH
+    monkeypatch.setattr(bench.sysconfig, "get_path", lambda name, scheme=None: str(scripts) if scheme is None
+                        else str(tmp_path / "user-bin"))
+    assert bench.find_py_spy() == str(scripts / "py-spy")
+    (scripts / "py-spy").unlink()
+    assert bench.find_py_spy() is None
+
+
 def test_where_py_spy_may_not_trace_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
     fake = tmp_path / "py-spy"
     fake.write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13): ptrace' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(bench.shutil, "which", lambda name: str(fake))
+    monkeypatch.setattr(bench, "find_py_spy", lambda: str(fake))
     with pytest.raises(SystemExit) as exit_info:
         bench.profile([sys.executable, "-c", "pass"], str(tmp_path / "raw"))
     err = capsys.readouterr().err

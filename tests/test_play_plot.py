@@ -143,6 +143,19 @@ def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     assert (agent(states) == greedy).all()
 
 
+@pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"])
+def test_play_acts_greedily_with_the_network_of_each_dqn_script(script):
+    torch.manual_seed(0)
+    net = dqn_baseline.DQN((4,), 2)
+    checkpoint = {"script": script, "env": "cartpole", "obs_shape": (4,), "n_actions": 2, "bf16": False,
+                  "state_dict": net.state_dict()}
+    states = np.random.default_rng(0).normal(size=(1000, 4)).astype(np.float32)
+    with torch.no_grad():
+        greedy = net(torch.as_tensor(states)).argmax(dim=1).numpy()
+    assert 0 < greedy.mean() < 1   # both actions occur: a constant agent fails here
+    assert (play.build_agent(checkpoint, torch.device("cpu"))(states) == greedy).all()
+
+
 def test_play_rebuilds_a_bf16_run_at_its_precision(tmp_path_factory, tmp_path, monkeypatch):
     run_dir = trained_run(tmp_path_factory, "a3c_data", "--env", "cartpole", "--max-frames", "2000",
                           "--processes", "1", "--bf16")

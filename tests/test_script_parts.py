@@ -269,7 +269,7 @@ def test_dqn_compile_acting_explores_at_rate_epsilon():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_dqn_compile_200_training_steps_queue_on_the_gpu_with_no_host_sync_recompile_or_skipped_graph():
+def test_dqn_compile_on_cuda_queues_200_training_steps_with_no_host_sync_recompile_or_skipped_graph():
     # the script's step as it runs on Pong: a step's transitions stored, a compiled training step
     # replayed as a CUDA graph, a target sync every 50. Behind a kernel that keeps the GPU busy for
     # about 2 s, none of it may wait for the GPU: the stream is still busy when all 200 are queued
