@@ -148,8 +148,8 @@ def all_reduce(msg):
     """Sum msg over every rank, in place; a rank that is gone, or silent for TIMEOUT, ends the run."""
     try:
         common.unblocked(dist.all_reduce, msg)  # in a helper thread: Ctrl-C and SIGTERM still arrive
-    except RuntimeError as error:  # gloo's word for a lost rank
-        raise ChildProcessError(f"lost a rank: {error}") from None
+    except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
+        raise ChildProcessError(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
 
 
 if __name__ == "__main__":

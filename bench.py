@@ -45,6 +45,7 @@ RULES = [
     ("emulator", "gymnasium/", None),                 # wrappers, SyncVectorEnv, CartPole
     ("emulator", "common.py", {"FireAndNoopsOnReset.reset"}),
     ("acting", None, {"select_actions"}),             # the forward pass that picks actions
+    ("acting", "dqn_compile.py", {"<lambda>"}),       # its agent: the compiled acting and the wait for its actions
     ("training", None, {"calc_loss_dqn", "calc_loss_a2c", "unpack_batch_dqn", "unpack_batch_a2c",
                         "train_step", "mean_grads"}),
     ("training", "torch/_tensor.py", {"Tensor.backward"}),   # not all of torch/autograd/: no_grad is there

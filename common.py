@@ -100,7 +100,8 @@ class ExperienceSourceFirstLast:
         self.finished = []               # (reward, steps) of episodes ended since pop_episodes()
 
     def __iter__(self):
-        """Forever: step all envs once, yield the list of experiences that step completed."""
+        """Forever: step all envs once, yield the list of experiences that step completed (with
+        overlap, while the envs play the next step: the first list, before any step, is empty)."""
         n = self.env.num_envs
         obs, _ = self.env.reset(seed=self.seed)
         history = [collections.deque() for _ in range(n)]   # (state, action, reward) per env

@@ -30,6 +30,10 @@ STACKS = [   # (process, stack from the outermost frame in, category)
                   ("backward", "torch/autograd/__init__.py")], "training"),
     ("DQN main", [("<module>", "dqn_fast.py"), ("Adam.step", "torch/optim/adam.py")], "training"),
     ("DQN main", [("<module>", "dqn_fast.py"), ("ReplayBuffer.sample", "common.py")], "replay"),
+    ("dqn_compile main", [("<module>", "dqn_compile.py"), ("ExperienceSourceFirstLast.__iter__", "common.py"),
+                          ("<lambda>", "dqn_compile.py")], "acting"),      # the wait for the actions
+    ("dqn_compile main", [("<module>", "dqn_compile.py"), ("DeviceReplayBuffer.extend", "dqn_compile.py"),
+                          ("DeviceReplayBuffer._to_device", "dqn_compile.py")], "replay"),
     ("DQN main", [("<module>", "dqn_fast.py"), ("RewardTracker.update", "common.py")], "other"),
     ("dqn_mp main", [("<module>", "dqn_mp.py"), ("ChildProcesses.__iter__", "common.py"),
                      ("wait", "multiprocessing/connection.py")], "transport"),

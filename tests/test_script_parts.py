@@ -125,6 +125,17 @@ def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_
     assert a3c_grad.mean_stats(stats_list, [5, 3]) == pytest.approx({k: v.item() for k, v in stats.items()})
 
 
+def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monkeypatch):
+    def lost(tensor):   # what gloo raises when a peer's connection resets
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: Connection reset by peer\n"
+                           "Exception raised from recvBytes (most recent call first):\nframe #0: c10::Error::Error")
+    monkeypatch.setattr(a3c_dist.dist, "all_reduce", lost)
+    with pytest.raises(ChildProcessError) as error:
+        a3c_dist.all_reduce(torch.zeros(3))
+    assert str(error.value) == "lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: " \
+                               "Connection reset by peer"
+
+
 # ---------------------------------------------------------------- losses
 class LinearQ(torch.nn.Module):
     """Q-values = state @ table: one-hot states pick a row of the table."""

@@ -5,6 +5,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -223,6 +224,15 @@ def environ_has(pid, entry):
 def tagged_pids(tag):
     """Live processes carrying the tag in their environment (Linux /proc)."""
     return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if environ_has(pid, f"RL_TEST_TAG={tag}")]
+
+
+def parent(pid):
+    """A live process's parent pid (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def assert_none_left(tag, seconds=5.0):
@@ -766,6 +776,65 @@ def test_a3c_dist_ctrl_c_or_sigterm_stops_every_rank_with_one_summary(target, si
     assert proc.returncode != 0                        # torchrun's own code
     assert [line.startswith("{") for line in out.splitlines()].count(True) == 1
     assert summary(out)["solved"] is False
+    assert_none_left(tag)
+
+
+def start_agents(tmp_path, *args, env):
+    """Two torchrun agents, as on two machines (each --nnodes 2 --nproc-per-node 1, one c10d rendezvous
+    on the loopback), each in a folder of its own and leading a process group of its own; the
+    README's command across machines, on one machine."""
+    with socket.socket() as probe:   # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", os.path.join(REPO, "a3c_dist.py"), *args]
+    agents = []
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+        agents.append(subprocess.Popen(cmd, cwd=tmp_path / node, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return agents
+
+
+@slow
+@needs_proc
+def test_a3c_dist_across_two_torchrun_agents_solves_cartpole_with_equal_weights(tmp_path):
+    tag = uuid.uuid4().hex
+    (tmp_path / "weights").mkdir()
+    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK, tagged_env(tag)), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
+    agents = start_agents(tmp_path, "--env", "cartpole", "--seed", "1", "--max-frames", "1000000", env=env)
+    outputs = [agent.communicate(timeout=900) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], [err for _, err in outputs]
+    summaries = [summary(out) for out, _ in outputs if out.strip()]
+    assert len(summaries) == 1 and summaries[0]["solved"]            # rank 0's agent alone prints it
+    digests = {path.name: path.read_text().split() for path in (tmp_path / "weights").iterdir()}
+    assert sorted(digests) == ["0", "1"] and len(digests["0"]) > 20 and digests["0"] == digests["1"]
+    assert_none_left(tag)
+
+
+@slow
+@needs_proc
+def test_a3c_dist_across_two_torchrun_agents_a_lost_agent_ends_the_other_with_one_line(tmp_path):
+    tag = uuid.uuid4().hex
+    agents = start_agents(tmp_path, "--env", "cartpole", env=tagged_env(tag))
+    deadline = time.monotonic() + 120
+    while len([pid for pid in tagged_pids(tag) if environ_has(pid, "RANK=0") or environ_has(pid, "RANK=1")]) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.5)
+    time.sleep(10)                                     # into the run: steps under way
+    # a machine lost: its agent and its rank (torchrun starts each rank in a session of its own)
+    for pid in [agents[1].pid] + [pid for pid in tagged_pids(tag) if parent(pid) == agents[1].pid]:
+        os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    out, err = agents[0].communicate(timeout=120)
+    assert time.monotonic() - started < 60 + 30        # the collective timeout, and torchrun's teardown
+    assert agents[0].returncode != 0
+    lost = [line for line in err.splitlines() if "lost a rank" in line]
+    # rank 0 ends through its tracker, another rank with its number
+    assert len(lost) == 1 and re.fullmatch(r"a3c_dist(: error:|\.py: error: rank 1) lost a rank: .*", lost[0]), err
+    assert 'a3c_dist.py", line' not in err             # no traceback of ours
+    after = err.splitlines()[err.splitlines().index(lost[0]) + 1:]
+    assert not after or not after[0].startswith("frame #")   # nor gloo's C++ frames after our line
     assert_none_left(tag)
 
 
