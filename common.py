@@ -247,6 +247,23 @@ def signals_held():
             signal.raise_signal(held[0])
 
 
+def save_whole(obj, path):
+    """torch.save obj to path through a temporary in the same folder, flushed to the disk, then
+    renamed over path: a kill at any moment leaves the old file or the new one, never part of one.
+    A write that fails removes its temporary."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):   # none was made if open failed
+            os.remove(temporary)
+        raise
+
+
 class RewardTracker:
     """Owns the TensorBoard writer: records episodes and training scalars against frames, prints
     progress, decides when to stop, keeps the best model and prints the final JSON summary."""
@@ -307,7 +324,7 @@ class RewardTracker:
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
         mean = float(np.mean(self.rewards)) if self.rewards else None
         checkpoint = dict(self.checkpoint, frames=self.frames, mean_reward=mean, state_dict=state)
-        torch.save(checkpoint, os.path.join(self.log_dir, "best.pt"))
+        save_whole(checkpoint, os.path.join(self.log_dir, "best.pt"))
 
     @signals_held()
     def train(self, **scalars):

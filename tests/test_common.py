@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
 import sys
 import time
 import types
@@ -442,6 +443,48 @@ def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
         assert tracker.update(1000, [])
     with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10 ** 9, [])                 # no limit
+
+
+
+def test_save_whole_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    path = str(tmp_path / "best.pt")
+    for value in (1, 2):
+        common.save_whole({"value": value}, path)
+        assert torch.load(path) == {"value": value}
+    assert os.listdir(tmp_path) == ["best.pt"]
+
+
+def test_save_whole_that_fails_keeps_the_old_file_and_removes_its_temporary(tmp_path):
+    path = str(tmp_path / "best.pt")
+    common.save_whole({"value": 1}, path)
+    with pytest.raises(Exception):
+        common.save_whole({"value": 2, "not saveable": lambda: None}, path)   # pickle refuses a lambda
+    assert torch.load(path) == {"value": 1} and os.listdir(tmp_path) == ["best.pt"]
+
+
+# writes best.pt whole, then starts a second write that stalls in the middle, and says so
+STALLED_WRITE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import common
+class Stall:
+    def __reduce__(self):
+        print("writing", flush=True)
+        time.sleep(60)
+common.save_whole({"value": 1}, sys.argv[1])
+common.save_whole({"value": 2, "stall": Stall()}, sys.argv[1])
+"""
+
+
+def test_save_whole_killed_in_the_middle_leaves_the_old_file_whole(tmp_path):
+    path = tmp_path / "best.pt"
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_WRITE, str(path), str(pathlib.Path(__file__).parent.parent)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "writing\n"
+    assert (tmp_path / "best.pt.tmp").exists()                 # the new file is under way
+    proc.kill()
+    proc.wait()
+    assert torch.load(path) == {"value": 1}
 
 
 def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeypatch):
