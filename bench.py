@@ -326,6 +326,13 @@ def run_script(script, args, warmup, bf16=False):
     return summary
 
 
+def print_compile_time(label, summary):
+    """dqn_compile's first training step, its compilation, on a line of its own: train fps counts
+    from its end."""
+    if label.startswith("dqn_compile"):
+        print(f"{label}: first training step, with its compilation, {summary['first_step_seconds']:.1f} s")
+
+
 def main():
     """Measure the ceilings, run the scripts, print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -391,11 +398,11 @@ def main():
         warmup = dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
         summary = run_script(script, args, warmup)
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
-        if script == "dqn_compile":   # train fps is counted after it
-            print(f"{script}: first training step, with its compilation, {summary['first_step_seconds']:.1f} s")
+        print_compile_time(script, summary)
         if args.bf16:
             mixed = run_script(script, args, warmup, bf16=True)
             print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
+            print_compile_time(f"{script} --bf16", mixed)
             rows.append((script, summary, mixed))
             continue
         bounds = ["DQN net", f"env, {dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", "env"]
