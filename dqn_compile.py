@@ -16,7 +16,6 @@ compiler stops, with one line), the training step at the first training step, wh
 summary gives apart (first_step_seconds)."""
 import copy
 import sys
-import time
 
 import numpy as np
 import torch
@@ -207,17 +206,14 @@ if __name__ == "__main__":
                 break
             if len(buffer) < params.replay_start:
                 continue
-            started = time.perf_counter()
             # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
             loss = compiled_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
             train_steps += 1
-            if train_steps == 1:  # torch.compile compiles at the first call: this step pays for it
-                if args.cuda:
-                    torch.cuda.synchronize()  # the step's kernels run after the call returns
-                print(f"{exp_source.frames}: first training step, with its compilation, "
-                      f"{time.perf_counter() - started:.1f} s", flush=True)
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             if train_steps % LOG_EVERY == 1:  # .item() waits for the GPU: read the loss now and then
                 tracker.train(loss=loss.item(), epsilon=epsilon.item())
+            if train_steps == 1:  # torch.compile compiles at the first call: this step paid for it
+                print(f"{exp_source.frames}: first training step, with its compilation, "
+                      f"{tracker.first_step_seconds:.1f} s", flush=True)
     sys.exit(tracker.exit_code)
