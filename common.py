@@ -225,9 +225,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: the run stops as cleanly."""
 
 
-def raise_terminated(signum, frame):
-    """SIGTERM handler: stop the run like Ctrl-C, to end with exit code 143 rather than 130."""
-    raise Terminated()
+stop_signal = None   # the signal that stopped the run, once one has
+
+
+def raise_stop(signum, frame):
+    """SIGINT and SIGTERM handler: stop the run, Ctrl-C as KeyboardInterrupt, SIGTERM as Terminated
+    (exit code 143 rather than 130). The signal is kept, so that code which swallows the exception
+    cannot lose the stop (dynamo takes one raised while it checks its guards for a failed guard):
+    RewardTracker.update raises it again."""
+    global stop_signal
+    stop_signal = signum
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
@@ -290,6 +298,8 @@ class RewardTracker:
     @signals_held()
     def update(self, frames, episodes):
         """Record the frame count and finished (reward, steps) episodes; True when it is time to stop."""
+        if stop_signal is not None:   # a stop whose exception was swallowed: raise it again
+            raise_stop(stop_signal, None)
         self.frames, self.updated = frames, time.perf_counter()
         for reward, steps in episodes:
             self.episode(reward, steps)
@@ -464,7 +474,10 @@ def setup(parser, hyperparams):
     if args.bf16 and not bf16_native(device):
         print(f"{parser.prog}: warning: --bf16 is emulated on this {device.type.upper()}: it may run slower "
               "than fp32", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, raise_terminated)  # a kill stops as cleanly as Ctrl-C
+    global stop_signal
+    stop_signal = None
+    for signum in (signal.SIGINT, signal.SIGTERM):   # a kill stops as cleanly as Ctrl-C
+        signal.signal(signum, raise_stop)
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)

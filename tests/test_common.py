@@ -408,6 +408,22 @@ def fake_env():
                                  single_action_space=gym.spaces.Discrete(3))
 
 
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_whose_exception_was_swallowed_is_raised_again_at_the_next_update(signum, code, tmp_path,
+                                                                                 monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "stop_signal", None)
+    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+        assert not tracker.update(10, [])
+        try:                                   # as dynamo does with an exception inside its guards
+            common.raise_stop(signum, None)
+        except KeyboardInterrupt:
+            pass
+        tracker.update(20, [])
+        pytest.fail("the update went on")
+    assert tracker.exit_code == code and json.loads(capsys.readouterr().out)["frames"] == 10
+
+
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
