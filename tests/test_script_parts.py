@@ -178,10 +178,11 @@ def pong_transitions(steps):
     return played
 
 
-def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same_indices():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same_indices(device):
     # a ring of 500 that wraps 4 times over 1,100 steps of 2 envs, an episode's end included
     space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
-    host, device = common.ReplayBuffer(500, space), dqn_compile.DeviceReplayBuffer(500, space, torch.device("cpu"))
+    host, device = common.ReplayBuffer(500, space), dqn_compile.DeviceReplayBuffer(500, space, torch.device(device))
     checked = 0
     for exps in pong_transitions(1100):
         for exp in exps:
@@ -191,8 +192,8 @@ def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same
         if any(exp.last_state is None for exp in exps) or len(host) in (7, 500):   # an end, part full, full
             host.rng = np.random.default_rng(checked)
             idx = np.random.default_rng(checked).integers(0, len(host), 300)      # what host.sample draws
-            for expected, got in zip(host.sample(300), device.at(torch.as_tensor(idx))):
-                assert np.array_equal(expected, got.numpy())
+            for expected, got in zip(host.sample(300), device.at(torch.as_tensor(idx, device=device.device))):
+                assert np.array_equal(expected, got.cpu().numpy())
             checked += 1
     assert device.count > 2000   # 2 envs, 1,100 steps, less the steps that only reset an env
     assert checked >= 3 and host.dones.any()
