@@ -123,12 +123,13 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
     weights = common.SharedWeights(net)
     common.share_memory(parser, weights)  # where it is short, the run stops here with one line
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
-    batch, frames = [], 0
+    batch, frames = [], tracker.frames
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(data_func, workers) as messages:
+    with tracker, common.ChildProcesses(data_func, workers) as messages:
         for states, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
             if tracker.update(frames, episodes):

@@ -157,6 +157,8 @@ if __name__ == "__main__":
     parser.add_argument("--envs", type=common.positive_int, help="envs per rank (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.envs = args.envs or params.envs
+    if args.resume:
+        parser.error("--resume: a3c_dist does not resume a run yet; its checkpoint holds the run for when it does")
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
     if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
@@ -173,7 +175,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     episodes, stop, frames = [], False, 0
 
-    with common.RewardTracker(args, net, env) if rank == 0 else common.SilentTracker(args, rank) as tracker:
+    saved = dict(net=net, optimizer=optimizer)
+    with common.RewardTracker(args, net, env, saved) if rank == 0 else common.SilentTracker(args, rank) as tracker:
         for samples, stats, new_frames, new_episodes in grads_func(params, args, env, net, rank, device):
             episodes += new_episodes
             msg = pack_message(net, samples, stats, new_frames, episodes[:MAX_EPISODES], stop, rank, world_size)

@@ -154,6 +154,7 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
     weights = common.SharedWeights(net)
     grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))
     common.share_memory(parser, weights, grad_slots)  # where it is short, the run stops here with one line
@@ -162,9 +163,9 @@ if __name__ == "__main__":
     step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
                for i in range(args.processes)}
-    in_slots, frames = {}, 0   # worker id: (samples, loss stats) of the gradient in its slot
+    in_slots, frames = {}, tracker.frames   # worker id: (samples, loss stats) of the gradient in its slot
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(grads_func, workers) as messages:
+    with tracker, common.ChildProcesses(grads_func, workers) as messages:
         for _, step_pipe in step_pipes:
             step_pipe.send(None)  # step 0, the initial weights: every worker takes its first gradient
         for worker_id, samples, stats, new_frames, episodes in messages:

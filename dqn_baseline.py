@@ -92,9 +92,9 @@ if __name__ == "__main__":
     epsilon = epsilon_by_frame(params, 0)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
-    train_steps = 0
+    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
 
-    with common.RewardTracker(args, net, env) as tracker:
+    with common.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)
@@ -108,8 +108,7 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            train_steps += 1
-            if train_steps % params.target_sync == 0:
+            tracker.train(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-            tracker.train(loss=loss.item(), epsilon=epsilon)
     sys.exit(tracker.exit_code)

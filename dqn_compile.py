@@ -111,6 +111,7 @@ def train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
 class DeviceReplayBuffer:
     """common.ReplayBuffer's ring of one-step transitions, the same arrays as tensors on the device,
     where the training step samples it: a step's new transitions cross from the host, no batch does."""
+    COLUMNS = common.ReplayBuffer.ARRAYS
 
     def __init__(self, capacity, obs_space, device):
         self.capacity, self.device = capacity, device
@@ -140,8 +141,8 @@ class DeviceReplayBuffer:
                    np.array([e.last_state is None for e in exps]),
                    np.stack([s[-1] for s in last_states] if self.stacked else last_states))
         idx = torch.arange(self.count, self.count + len(exps), device=self.device) % self.capacity
-        for tensor, column in zip((self.states, self.actions, self.rewards, self.dones, self.last_states), columns):
-            tensor[idx] = self._to_device(column)
+        for name, column in zip(self.COLUMNS, columns):
+            getattr(self, name)[idx] = self._to_device(column)
         self.count += len(exps)
         self.size.fill_(len(self))
 
@@ -149,6 +150,19 @@ class DeviceReplayBuffer:
         """The array on the device, its copy queued: from pageable memory the driver stages it and returns,
         with no wait for the GPU (pinning the array first costs more than the copy)."""
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def state_dict(self):
+        """The filled part as CPU tensors, each its own storage (torch.save writes no more), and the count."""
+        n = len(self)
+        filled = {name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS}
+        return dict(filled, count=self.count)
+
+    def load_state_dict(self, state):
+        """Copy a state_dict's tensors into this buffer's own, where the compiled step reads them."""
+        self.count = state["count"]
+        for name in self.COLUMNS:
+            getattr(self, name)[:len(self)] = state[name].to(self.device)
+        self.size.fill_(len(self))
 
     def sample(self, batch_size):
         """batch_size transitions drawn uniformly, by indices drawn on the device."""
@@ -161,6 +175,15 @@ class DeviceReplayBuffer:
         if self.stacked:
             last_states = torch.cat([states[:, 1:], last_states.unsqueeze(1)], dim=1)
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
+
+
+def set_capturable(optimizer, device):
+    """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only on an
+    empty state: a state restored by --resume keeps those of the device it was saved on."""
+    for group in optimizer.param_groups:
+        group["capturable"] = device.type == "cuda"
+    for state in optimizer.state.values():
+        state["step"] = state["step"].to(device if device.type == "cuda" else "cpu")
 
 
 def compile_or_exit(parser, fn, mode, probe_args):
@@ -194,9 +217,11 @@ if __name__ == "__main__":
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
         params.gamma, seed=args.seed, overlap=overlap)
-    train_steps = 0
+    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
+    tracker = common.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved
+    set_capturable(optimizer, device)   # before the first compiled step
 
-    with common.RewardTracker(args, net, env) as tracker:
+    with tracker:
         for exps in exp_source:
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
@@ -206,12 +231,10 @@ if __name__ == "__main__":
                 continue
             # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
             loss = compiled_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
-            train_steps += 1
-            if train_steps % params.target_sync == 0:
+            if tracker.train_steps % LOG_EVERY == 0:  # .item() waits for the GPU: read the loss now and then
+                tracker.train(loss=loss.item(), epsilon=epsilon.item())   # counts the training step
+            else:
+                tracker.train()
+            if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-            if train_steps % LOG_EVERY == 1:  # .item() waits for the GPU: read the loss now and then
-                tracker.train(loss=loss.item(), epsilon=epsilon.item())
-            if train_steps == 1:  # torch.compile compiles at the first call: this step paid for it
-                print(f"{exp_source.frames}: first training step, with its compilation, "
-                      f"{tracker.first_step_seconds:.1f} s", flush=True)
     sys.exit(tracker.exit_code)

@@ -93,16 +93,18 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
     return F.mse_loss(q_vals, rewards + gamma * next_q)
 
 
-def play_func(params, args, weights, *, send):
-    """Child process: play the envs with its copy of the published net, send every step's experience."""
+def play_func(params, args, weights, frames, *, send):
+    """Child process: play the envs with its copy of the published net, from frame count frames (a
+    resumed run's), send every step's experience."""
     torch.set_num_threads(1)   # the cores belong to the main process and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device)
     env = common.make_fast_env(args.env, args.envs)
-    epsilon = epsilon_by_frame(params, 0)
+    epsilon = epsilon_by_frame(params, frames)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
+    exp_source.frames = frames
     for exps in exp_source:
         epsilon = epsilon_by_frame(params, exp_source.frames)
         # returns once the main process has taken it: play runs at most one step ahead of training
@@ -119,12 +121,13 @@ if __name__ == "__main__":
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
+    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
+    tracker = common.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before sharing
     weights = common.SharedWeights(net)
     common.share_memory(parser, weights)  # where it is short, the run stops here with one line
-    children = {"play process": (params, args, weights)}
-    train_steps = 0
+    children = {"play process": (params, args, weights, tracker.frames)}   # a resumed run's frames, and epsilon
 
-    with common.RewardTracker(args, net, env) as tracker, common.ChildProcesses(play_func, children) as messages:
+    with tracker, common.ChildProcesses(play_func, children) as messages:
         for exps, frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)
@@ -139,9 +142,8 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            train_steps += 1
-            if train_steps % params.target_sync == 0:
+            tracker.train(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             weights.publish(net)
-            tracker.train(loss=loss.item(), epsilon=epsilon)
     sys.exit(tracker.exit_code)

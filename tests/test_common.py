@@ -399,8 +399,9 @@ def test_classic_and_fast_atari_pipelines_start_episodes_alike():
 
 
 # ---------------------------------------------------------------- RewardTracker
-def fake_args(max_frames=None):
-    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False)
+def fake_args(max_frames=None, checkpoint_minutes=0):
+    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False,
+                                 resume=None, checkpoint_minutes=checkpoint_minutes)
 
 
 def fake_env():
@@ -409,19 +410,18 @@ def fake_env():
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stop_whose_exception_was_swallowed_is_raised_again_at_the_next_update(signum, code, tmp_path,
-                                                                                 monkeypatch, capsys):
+def test_a_stop_signal_is_taken_at_the_next_update_with_its_exit_code_and_a_checkpoint(signum, code, tmp_path,
+                                                                                    monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(common, "stop_signal", None)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with common.RewardTracker(fake_args(checkpoint_minutes=10), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [])
-        try:                                   # as dynamo does with an exception inside its guards
-            common.raise_stop(signum, None)
-        except KeyboardInterrupt:
-            pass
-        tracker.update(20, [])
-        pytest.fail("the update went on")
-    assert tracker.exit_code == code and json.loads(capsys.readouterr().out)["frames"] == 10
+        common.request_stop(signum, None)      # the handler only asks: the step in progress goes on
+        common.request_stop(signal.SIGINT, None)   # a second signal changes nothing
+        assert tracker.update(20, [(-21.0, 900)])
+    assert tracker.exit_code == code and json.loads(capsys.readouterr().out.splitlines()[-1])["frames"] == 20
+    checkpoint = torch.load(os.path.join(tracker.log_dir, common.CHECKPOINT), weights_only=True)
+    assert checkpoint["frames"] == 20 and checkpoint["rewards"] == [-21.0]
 
 
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
@@ -519,31 +519,6 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], first["weight"])
         tracker.update(40, [(21.0, 1)])                       # a better one: best.pt follows the net
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], net.weight)
-
-
-@pytest.fixture
-def ctrl_c_raises():
-    """Ctrl-C raises KeyboardInterrupt here, also where pytest started with it ignored (nohup, CI)."""
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, handler)
-
-
-def test_tracker_delivers_a_ctrl_c_that_arrives_while_it_logs_after_logging(tmp_path, monkeypatch, ctrl_c_raises):
-    monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
-        logged, add_scalar = [], tracker.writer.add_scalar
-
-        def add_scalar_under_ctrl_c(tag, *args):
-            if not logged:
-                signal.raise_signal(signal.SIGINT)   # Ctrl-C inside the writer's call
-            add_scalar(tag, *args)
-            logged.append(tag)
-        monkeypatch.setattr(tracker.writer, "add_scalar", add_scalar_under_ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
-            tracker.train(loss=0.5, epsilon=0.1)
-        assert logged == ["train/loss", "train/epsilon", "train/avg_loss"]   # then the interrupt
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
