@@ -3,14 +3,16 @@
 workers): torchrun starts the ranks and torch.distributed (gloo) joins them; every rank plays and
 computes a gradient, one all_reduce averages them, and every rank applies the same optimizer step.
 
-What crosses the process boundary, over gloo and only as CPU tensors: rank 0's initial weights,
-once (a broadcast); then, every step, one all_reduce that sums a flat tensor from each rank: its
-gradient and loss stats, each times its samples, the samples, its frames played and finished
-episodes (in slots of its own), and rank 0's word to stop. Every rank divides by the samples and
+What crosses the process boundary, over gloo and only as CPU tensors: rank 0's options, initial
+weights and Adam state, once (broadcasts: with --resume only rank 0 reads the checkpoint); then,
+every step, one all_reduce that sums a flat tensor from each rank: its gradient and loss stats,
+each times its samples, the samples, its frames played and finished episodes (in slots of its
+own), and rank 0's word to stop. Every rank divides by the samples and
 takes the same Adam step from the same weights, so the weights stay equal on every rank without
 being sent, as in DistributedDataParallel. Rank 0 alone logs, prints and saves.
 Start it with `torchrun --standalone --nproc-per-node 4 a3c_dist.py` (4 ranks), or on several
 machines with `torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:29400`."""
+import argparse
 import datetime
 import os
 
@@ -152,13 +154,31 @@ def all_reduce(msg):
         raise ChildProcessError(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
 
 
+def rank0_options(args):
+    """Rank 0's options, on every rank: a resumed run's come from its checkpoint, which only rank 0
+    reads (ranks on other machines cannot see its folder)."""
+    options = [vars(args)]
+    dist.broadcast_object_list(options, src=0)
+    return argparse.Namespace(**options[0])
+
+
+def share_weights(net, optimizer):
+    """Rank 0's weights and Adam state (a resumed run's), on every rank; as CPU tensors, as gloo carries them."""
+    weights = torch.nn.utils.parameters_to_vector(net.parameters()).cpu()
+    dist.broadcast(weights, src=0)
+    torch.nn.utils.vector_to_parameters(weights.to(next(net.parameters()).device), net.parameters())
+    state = optimizer.state_dict()
+    state["state"] = {i: {name: value.cpu() for name, value in s.items()} for i, s in state["state"].items()}
+    shared = [state]
+    dist.broadcast_object_list(shared, src=0)
+    optimizer.load_state_dict(shared[0])   # its tensors go to the parameters' device
+
+
 if __name__ == "__main__":
     parser = common.argument_parser(__doc__)
     parser.add_argument("--envs", type=common.positive_int, help="envs per rank (default: 8)")
     args, params, device = common.setup(parser, HYPERPARAMS)
     args.envs = args.envs or params.envs
-    if args.resume:
-        parser.error("--resume: a3c_dist does not resume a run yet; its checkpoint holds the run for when it does")
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
     if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
@@ -167,16 +187,19 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # one core per rank
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    args = rank0_options(args)
+    if getattr(args, "world_size", world_size) != world_size:   # a resumed run's, from its checkpoint
+        parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
+    args.world_size = world_size
     env = common.make_fast_env(args.env, args.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
-    weights = torch.nn.utils.parameters_to_vector(net.parameters()).cpu()
-    dist.broadcast(weights, src=0)  # every rank starts from rank 0's weights
-    torch.nn.utils.vector_to_parameters(weights.to(device), net.parameters())
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    episodes, stop, frames = [], False, 0
+    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer)) if rank == 0 else \
+        common.SilentTracker(args, rank)   # rank 0's, with --resume, restores net and optimizer
+    share_weights(net, optimizer)   # every rank starts from rank 0's
+    episodes, stop, frames = [], False, tracker.frames
 
-    saved = dict(net=net, optimizer=optimizer)
-    with common.RewardTracker(args, net, env, saved) if rank == 0 else common.SilentTracker(args, rank) as tracker:
+    with tracker:
         for samples, stats, new_frames, new_episodes in grads_func(params, args, env, net, rank, device):
             episodes += new_episodes
             msg = pack_message(net, samples, stats, new_frames, episodes[:MAX_EPISODES], stop, rank, world_size)

@@ -304,7 +304,8 @@ def script_command(script, args, warmup, bf16=False):
         ranks = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
-                      str(warmup + args.frames), "-n", "bench"] + (["--cuda"] if args.cuda else [])
+                      str(warmup + args.frames), "-n", "bench", "--checkpoint-minutes", "0"] + (
+                          ["--cuda"] if args.cuda else [])   # no checkpoint: its write is no part of the speed
     return cmd + args.script_args.get(script, []) + (["--bf16"] if bf16 else [])
 
 

@@ -476,6 +476,8 @@ class SilentTracker:
     rank (ChildProcessError) ends its process with one line, at once, with os._exit, because a
     helper thread may still wait in gloo, where a clean teardown would abort."""
 
+    frames = 0   # rank 0 counts them
+
     def __init__(self, args, rank):
         self.script, self.rank = args.script, rank
 
@@ -560,7 +562,7 @@ def setup(parser, hyperparams):
     script's table, as attributes) and the device."""
     args = parser.parse_args()
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    if args.resume:
+    if args.resume and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reads it, and sends it on
         args = resumed_options(parser, args)
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Learning curves: the mean reward of the last 100 episodes of each run, against frames or
-wall-clock minutes, one line per run labelled by its script and name, with the stop reward dashed."""
+run minutes, one line per run labelled by its script and name, with the stop reward dashed."""
 import os
 import re
 
@@ -26,8 +26,13 @@ def load_curve(run_dir, x):
     if "episodes/avg_reward" not in events.Tags()["scalars"]:
         raise ValueError(f"{run_dir} has no finished episode yet")
     points = events.Scalars("episodes/avg_reward")
-    start = events.FirstEventTimestamp()
-    xs = [p.step if x == "frames" else (p.wall_time - start) / 60 for p in points]
+    if x == "frames":
+        xs = [p.step for p in points]
+    elif "episodes/minutes" in events.Tags()["scalars"]:   # run time, summed over a resumed run's segments
+        xs = [p.value for p in events.Scalars("episodes/minutes")]
+    else:   # runs logged before run minutes were: wall time from the first event
+        start = events.FirstEventTimestamp()
+        xs = [(p.wall_time - start) / 60 for p in points]
     return os.path.basename(os.path.normpath(run_dir)), xs, [p.value for p in points]
 
 
@@ -61,7 +66,7 @@ if __name__ == "__main__":
         ax.axhline(common.STOP_REWARDS[env], color="grey", linestyle="--", label=f"{env} solved")
     if args.x == "frames":
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 500k, 1M
-    ax.set_xlabel("frames" if args.x == "frames" else "wall-clock minutes")
+    ax.set_xlabel("frames" if args.x == "frames" else "run minutes")
     ax.set_ylabel("mean reward, last 100 episodes")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")   # beside the curves, never on them

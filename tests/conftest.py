@@ -2,6 +2,7 @@
 the whole stop and signal matrix, Pong and torchrun runs, play and plot on a trained run)."""
 import os
 import runpy
+import signal
 import sys
 import types
 
@@ -40,6 +41,23 @@ def run_main(monkeypatch):
             return exit_info.code
         return 0
     return run
+
+
+@pytest.fixture
+def in_process(run_main, monkeypatch):
+    """run_main for a command line that must stop in its checks, before any work: an env made here
+    fails the test. The signal handlers that setup() sets are undone afterwards."""
+    sys.path.insert(0, REPO)
+    import common
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the script went past its checks")
+    monkeypatch.setattr(common, "make_fast_env", refuse)
+    monkeypatch.setattr(common, "make_classic_env", refuse)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield run_main
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 @pytest.fixture

@@ -244,6 +244,23 @@ def test_plot_curve_is_the_logged_mean_against_frames_or_minutes(short_run):
     assert minutes == sorted(minutes) and 0 <= minutes[0] < minutes[-1]
 
 
+@pytest.mark.parametrize("logged", [True, False])
+def test_plot_minutes_are_the_logged_run_minutes_where_a_run_has_them(logged, tmp_path):
+    # a resumed run's minutes go on from its checkpoint however long it was stopped; older runs
+    # logged none, and their minutes are wall time from the first event
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step, (mean, minutes) in enumerate([(-21.0, 5.0), (-20.0, 6.0), (-19.0, 7.5)], start=1):
+            writer.add_scalar("episodes/avg_reward", mean, step * 1000)
+            if logged:
+                writer.add_scalar("episodes/minutes", minutes, step * 1000)
+    _, xs, ys = plot.load_curve(str(tmp_path), "minutes")
+    assert ys == [-21.0, -20.0, -19.0]
+    if logged:
+        assert xs == [5.0, 6.0, 7.5]
+    else:
+        assert xs == sorted(xs) and 0 <= xs[0] and xs[-1] < 1   # written within a minute
+
+
 @slow
 def test_plot_curve_of_a_solved_run_ends_at_the_stop_reward(cartpole_run):
     _, _, means = plot.load_curve(str(cartpole_run), "frames")

@@ -1,0 +1,386 @@
+"""Checkpoints and --resume: what a checkpoint holds comes back, a stop never cuts a step, a kill
+mid-write leaves the checkpoint before it, a bad --resume stops with one line. The slow set stops
+each script on CartPole with SIGTERM, resumes it and sees it solve."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import common  # noqa: E402
+import dqn_compile  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device"))]
+SCRIPTS = ["dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad"]   # each kind (dqn_baseline is dqn_fast's)
+SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+
+
+def fake_args(resume=None):
+    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=None, bf16=False,
+                                 resume=resume, checkpoint_minutes=10, seed=0)
+
+
+def fake_env(shape=(4,)):
+    return types.SimpleNamespace(single_observation_space=gym.spaces.Box(0, 1, shape),
+                                 single_action_space=gym.spaces.Discrete(3))
+
+
+def transitions(count, seed):
+    """count Pong-shaped transitions of random frames, every 7th terminal."""
+    rng = np.random.default_rng(seed)
+    return [common.ExperienceFirstLast(rng.integers(0, 256, SPACE.shape, np.uint8), int(rng.integers(6)),
+                                       float(rng.normal()), None if i % 7 == 6 else
+                                       rng.integers(0, 256, SPACE.shape, np.uint8), 1) for i in range(count)]
+
+
+def trained(seed):
+    """A net, its target net and Adam after three steps, from seed."""
+    torch.manual_seed(seed)
+    net = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        net(torch.randn(5, 4)).pow(2).sum().backward()
+        optimizer.step()
+    return net, copy.deepcopy(net), optimizer
+
+
+def next_draws(buffer):
+    """What each restored generator gives next."""
+    return torch.rand(3).tolist(), np.random.random(3).tolist(), buffer.rng.integers(0, 10 ** 9, 3).tolist()
+
+
+@pytest.fixture
+def stop_handler():
+    """SIGTERM and SIGINT as a script's setup() sets them; the tests' own afterwards."""
+    handlers = {signum: signal.signal(signum, common.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    common.stop_signal = None
+    yield
+    common.stop_signal = None
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+# ---------------------------------------------------------------- what a checkpoint holds
+def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_generators(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    net, tgt_net, optimizer = trained(seed=0)
+    buffer = common.ReplayBuffer(50, SPACE, seed=0)
+    for exp in transitions(80, seed=0):    # the ring wraps: position 30 of 50
+        buffer.append(exp)
+    buffer.sample(4)                      # the sampling generator has moved
+    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
+    with common.RewardTracker(fake_args(), net, fake_env(), saved) as tracker:
+        tracker.update(600, [(-20.0, 900), (-19.0, 800)])
+        for loss in (0.5, 0.25):
+            tracker.train(loss=loss)
+        tracker.update(1234, [(-18.0, 700)])
+    expected = next_draws(buffer)
+
+    torch.manual_seed(99)
+    np.random.seed(99)
+    net2, tgt_net2, optimizer2 = trained(seed=1)
+    buffer2 = common.ReplayBuffer(50, SPACE, seed=1)
+    saved2 = dict(net=net2, tgt_net=tgt_net2, optimizer=optimizer2, buffer=buffer2)
+    resumed = common.RewardTracker(fake_args(resume=tracker.log_dir), net2, fake_env(), saved2)
+
+    for a, b in [(net, net2), (tgt_net, tgt_net2)]:
+        for name, tensor in a.state_dict().items():
+            assert torch.equal(tensor, b.state_dict()[name]), name
+    state, state2 = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
+    for i in state:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[i][key], state2[i][key]), (i, key)
+    assert (buffer2.pos, buffer2.size) == (30, 50)
+    for name in common.ReplayBuffer.ARRAYS:
+        assert np.array_equal(getattr(buffer, name), getattr(buffer2, name)), name
+    assert (resumed.frames, resumed.episodes, resumed.train_steps, resumed.segment) == (1234, 3, 2, 1)
+    assert list(resumed.rewards) == [-20.0, -19.0, -18.0] and list(resumed.losses) == [0.5, 0.25]
+    assert resumed.earlier["seconds"] == pytest.approx(tracker.run_seconds())
+    assert next_draws(buffer2) == expected
+
+
+def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer(tmp_path):
+    buffer = common.ReplayBuffer(1000, SPACE)   # 28 MB of states when full
+    for exp in transitions(10, seed=0):
+        buffer.append(exp)
+    path = str(tmp_path / "buffer.pt")
+    common.save_whole(buffer.state_dict(), path)
+    assert os.path.getsize(path) < 10 * (28_224 + 7_056) + 50_000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(device, tmp_path):
+    device = torch.device(device)
+    buffer = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
+    for step in range(0, 80, 3):          # a step of 3 envs at a time; the ring wraps
+        buffer.extend(transitions(80, seed=0)[step:step + 3])
+    path = str(tmp_path / "buffer.pt")
+    common.save_whole(buffer.state_dict(), path)
+    assert os.path.getsize(path) < 50 * (28_224 + 7_056) + 50_000
+    restored = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
+    restored.load_state_dict(torch.load(path, mmap=True, weights_only=True))
+    assert restored.count == buffer.count == 80 and restored.size.item() == 50
+    idx = torch.arange(50, device=device)
+    for a, b in zip(buffer.at(idx), restored.at(idx)):
+        assert torch.equal(a, b)
+
+
+def test_set_capturable_makes_a_restored_gpu_state_step_on_the_cpu():
+    net, _, optimizer = trained(seed=0)
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        group["capturable"] = True          # as dynamo leaves a state saved on a GPU
+    optimizer.load_state_dict(state)
+    dqn_compile.set_capturable(optimizer, torch.device("cpu"))
+    assert not optimizer.param_groups[0]["capturable"]
+    net(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    assert optimizer.state[net.weight]["step"].item() == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_resumed_dqn_compile_step_on_cuda_replays_its_graph_with_no_recompile_or_skip(tmp_path):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    device = torch.device("cuda")
+    path = str(tmp_path / "state.pt")
+    for segment in range(2):
+        torch.manual_seed(segment)
+        net = dqn_compile.DQN(SPACE.shape, 6).to(device)
+        tgt_net = copy.deepcopy(net)
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+        buffer = dqn_compile.DeviceReplayBuffer(200, SPACE, device)
+        saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
+        if segment:
+            for name, state in torch.load(path, map_location="cpu", weights_only=True).items():
+                saved[name].load_state_dict(state)
+        else:
+            buffer.extend(transitions(100, seed=0))
+        dqn_compile.set_capturable(optimizer, device)
+        step = torch.compile(dqn_compile.train_step, mode="reduce-overhead")
+        with torch._dynamo.config.patch(error_on_recompile=segment == 1):
+            for _ in range(5):
+                loss = step(buffer, net, tgt_net, optimizer, 32, 0.99)
+        assert np.isfinite(loss.item())
+        common.save_whole({name: obj.state_dict() for name, obj in saved.items()}, path)
+        torch._dynamo.reset()
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+# ---------------------------------------------------------------- a stop never cuts a step
+def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoint(tmp_path, monkeypatch,
+                                                                               stop_handler):
+    monkeypatch.chdir(tmp_path)
+    net = nn.Linear(4, 3)
+    with common.RewardTracker(fake_args(), net, fake_env(), dict(net=net)) as tracker:
+        for frames in range(1, 100):
+            if tracker.update(frames, []):
+                break
+            with torch.no_grad():            # a step that writes the weight, then the bias
+                net.weight += 1
+                if frames == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                net.bias += 1
+            tracker.train()
+    assert tracker.exit_code == 143 and tracker.frames == 4
+    checkpoint = torch.load(os.path.join(tracker.log_dir, common.CHECKPOINT), weights_only=True)
+    assert checkpoint["frames"] == 4 and checkpoint["train_steps"] == 3
+    assert torch.equal(checkpoint["state"]["net"]["weight"], net.weight)
+    assert torch.equal(checkpoint["state"]["net"]["bias"], net.bias)   # the step that the signal landed in is whole
+
+
+# ---------------------------------------------------------------- a bad --resume
+def run_script(script, *args, cwd, env=None, timeout=300):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint."""
+    cwd = tmp_path_factory.mktemp("stopped")
+    code, out, err = run_script("dqn_baseline", "--env", "cartpole", "--max-frames", "300", cwd=cwd)
+    assert code == 0, err
+    (folder,) = (cwd / "runs").iterdir()
+    return folder
+
+
+def listing(folder):
+    return {entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns) for entry in folder.iterdir()}
+
+
+BAD_RESUME = [("dqn_fast", [], "is a checkpoint of dqn_baseline, not of dqn_fast"),
+              ("dqn_baseline", ["--bf16"], "--bf16 True contradicts the run in"),
+              ("dqn_baseline", ["--env", "pong"], "--env pong contradicts the run in"),
+              ("dqn_baseline", ["--seed", "5"], "--seed 5 contradicts the run in")]
+
+
+@pytest.mark.parametrize("script, args, message", BAD_RESUME)
+def test_a_resume_that_contradicts_the_checkpoint_stops_with_one_line_and_changes_nothing(
+        script, args, message, stopped_run, in_process, capsys):
+    before = listing(stopped_run)
+    assert in_process(script, "--resume", str(stopped_run), *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1
+    assert listing(stopped_run) == before
+
+
+@pytest.mark.parametrize("damage", ["none", "truncated", "not a checkpoint"])
+def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_nothing(damage, stopped_run, tmp_path,
+                                                                                    in_process, capsys):
+    data = (stopped_run / common.CHECKPOINT).read_bytes()
+    if damage == "truncated":
+        (tmp_path / common.CHECKPOINT).write_bytes(data[:len(data) // 2])
+    elif damage == "not a checkpoint":
+        (tmp_path / common.CHECKPOINT).write_bytes(b"hello")
+    before = listing(tmp_path)
+    assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    expected = "holds no checkpoint.pt" if damage == "none" else "does not load: truncated, damaged or not a checkpoint"
+    assert err.startswith("dqn_baseline.py: error: --resume: ") and expected in err and err.count("\n") == 1
+    assert listing(tmp_path) == before
+
+
+class Made(Exception):
+    """Raised by a stand-in for the tracker: the script got that far."""
+
+
+def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_main, monkeypatch, stop_handler):
+    options = {}
+
+    def tracker(args, *rest, **kwargs):
+        options.update(vars(args))
+        raise Made
+    monkeypatch.setattr(common, "RewardTracker", tracker)
+    with pytest.raises(Made):
+        run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "900")
+    assert options["env"] == "cartpole" and options["max_frames"] == 900 and not options["bf16"]
+    assert options["seed"] == common.SEGMENT_SEED   # seed 0's first resumed segment plays new games
+
+
+# ---------------------------------------------------------------- a kill mid-write
+SLOW_WRITE_HOOK = """
+import os, time, common
+save_whole = common.save_whole
+def slow_save_whole(obj, path):
+    if path.endswith("checkpoint.pt") and os.environ.get("RL_SLOW_CHECKPOINT"):
+        with open(path + ".tmp", "wb") as f:   # half a file, as a write that the kill cuts
+            f.write(b"PK" * 1000)
+        print("writing", flush=True)
+        time.sleep(60)
+    save_whole(obj, path)
+common.save_whole = slow_save_whole
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on_from_it(tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_WRITE_HOOK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+    code, _, err = run_script("dqn_baseline", "--env", "cartpole", "--max-frames", "2000", cwd=tmp_path, env=env)
+    assert code == 0, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "dqn_baseline.py"), "--resume", str(folder),
+                             "--max-frames", "4000"], cwd=tmp_path, env=dict(env, RL_SLOW_CHECKPOINT="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("writing"):
+            break
+    proc.kill()                               # SIGKILL, mid-write
+    proc.wait()
+    assert (folder / (common.CHECKPOINT + ".tmp")).exists()
+    assert torch.load(folder / common.CHECKPOINT, weights_only=True)["frames"] == 2000
+    code, out, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "3000", cwd=tmp_path, env=env)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["frames"] >= 3000 and result["episodes"] > 0
+    assert not (folder / (common.CHECKPOINT + ".tmp")).exists()
+
+
+# ---------------------------------------------------------------- each script: stopped, resumed, solved
+def scalars(folder):
+    """{tag: [(step, value)]} as TensorBoard reads the folder: with what a purge drops, dropped."""
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+BUDGET = {"dqn_fast": 100_000, "dqn_mp": 100_000, "dqn_compile": 100_000, "a3c_data": 1_000_000,
+          "a3c_grad": 1_000_000}
+STOP_AT = {"dqn_fast": 6_000, "dqn_mp": 6_000, "dqn_compile": 6_000, "a3c_data": 60_000, "a3c_grad": 60_000}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tmp_path):
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed", "1"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:               # progress lines: "frames: done ..."
+        if int(line.split(":")[0]) >= STOP_AT[script]:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    stopped = json.loads(out.strip().splitlines()[-1])
+    (folder,) = (tmp_path / "runs").iterdir()
+    checkpoint = torch.load(folder / common.CHECKPOINT, weights_only=True)
+    assert checkpoint["frames"] == stopped["frames"] and checkpoint["episodes"] == stopped["episodes"]
+    assert checkpoint["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
+    before = scalars(folder)
+
+    code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["solved"] and result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]
+    assert result["seconds"] > stopped["seconds"]
+    after = scalars(folder)
+    for tag, points in after.items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(steps), tag      # no curve doubles back
+    minutes = [value for _, value in after["episodes/minutes"]]
+    assert minutes == sorted(minutes) and minutes[-1] <= result["seconds"] / 60 + 0.01
+    assert len(after["episodes/reward"]) == result["episodes"] >= len(before["episodes/reward"])
+
+
+def torchrun(ranks, *args, cwd):
+    """a3c_dist.py under torchrun, as a user starts it."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(ranks), os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a3c_dist_stopped_by_sigterm_resumes_from_rank_0s_checkpoint_with_its_ranks_only(tmp_path):
+    proc = torchrun(2, "--env", "cartpole", "--seed", "1", cwd=tmp_path)
+    for line in proc.stdout:
+        if int(line.split(":")[0]) >= STOP_AT["a3c_data"]:
+            break
+    proc.send_signal(signal.SIGTERM)          # to torchrun, which sends it on to every rank
+    out, err = proc.communicate(timeout=60)
+    stopped = json.loads(out.strip().splitlines()[-1])
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert torch.load(folder / common.CHECKPOINT, weights_only=True)["frames"] == stopped["frames"]
+
+    proc = torchrun(3, "--resume", str(folder), cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and f"--resume: the run in {folder} has 2 ranks, not 3" in err
+    proc = torchrun(2, "--resume", str(folder), "--max-frames", str(BUDGET["a3c_data"]), cwd=tmp_path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["solved"] and result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]
