@@ -325,6 +325,34 @@ BUDGET = {"dqn_fast": 100_000, "dqn_mp": 100_000, "dqn_compile": 100_000, "a3c_d
 STOP_AT = {"dqn_fast": 6_000, "dqn_mp": 6_000, "dqn_compile": 6_000, "a3c_data": 60_000, "a3c_grad": 60_000}
 
 
+RESTORED_HOOK = """
+import os, torch, common
+restore = common.RewardTracker.restore
+def recording_restore(self, checkpoint):
+    restore(self, checkpoint)
+    counters = {name: getattr(self, name) for name in ("frames", "episodes", "train_steps", "best_mean")}
+    state = {name: obj.state_dict() for name, obj in self.saved.items()}
+    torch.save(dict(state=state, counters=counters, rewards=list(self.rewards)), os.environ["RL_TEST_RESTORED"])
+common.RewardTracker.restore = recording_restore
+"""
+
+
+def assert_same(saved, restored, where):
+    """Two state_dicts (nested dicts and lists of tensors and plain values) hold equal values."""
+    if isinstance(saved, dict):
+        assert saved.keys() == restored.keys(), where
+        for key in saved:
+            assert_same(saved[key], restored[key], f"{where}/{key}")
+    elif isinstance(saved, (list, tuple)):
+        assert len(saved) == len(restored), where
+        for i, (a, b) in enumerate(zip(saved, restored)):
+            assert_same(a, b, f"{where}/{i}")
+    elif isinstance(saved, torch.Tensor):
+        assert torch.equal(saved.cpu(), restored.cpu()), where
+    else:
+        assert saved == restored, where
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tmp_path):
@@ -343,8 +371,17 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     assert checkpoint["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
     before = scalars(folder)
 
-    code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(RESTORED_HOOK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]),
+               RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
+    code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path,
+                                env=env)
     assert code == 0, err
+    restored = torch.load(tmp_path / "restored.pt", weights_only=True)   # as the tracker had it, before the loop
+    assert_same(checkpoint["state"], restored["state"], "state")  # weights, optimizer, buffer, frame count
+    assert restored["counters"] == {name: checkpoint[name] for name in restored["counters"]}
+    assert restored["rewards"] == checkpoint["rewards"]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["solved"] and result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]
     assert result["seconds"] > stopped["seconds"]
