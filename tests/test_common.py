@@ -395,7 +395,10 @@ def test_classic_and_fast_atari_pipelines_start_episodes_alike():
         fast.close()
     for name, count in counts.items():
         assert set(count) == set(range(1, 30)), name
-        assert 20 <= count[1] <= 70, name        # expected 600 * 2 / 30 = 40; any other value 20
+        # expected: 600 * 2 / 30 = 40 games with no no-op, 20 with each other count. A uniform draw
+        # over the 29 gives each about 21, a ratio near 1 (standard deviation 0.23): it fails 1.5
+        others = [count[frames] for frames in range(2, 30)]
+        assert count[1] / np.mean(others) >= 1.5, (name, count[1], np.mean(others))
 
 
 # ---------------------------------------------------------------- RewardTracker

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
@@ -175,7 +176,10 @@ def test_play_a3c_on_pong_and_record_a_gif(pong_run, tmp_path):
     code, out, err = run("play", str(pong_run), "--episodes", "2", "--record", "game.gif", cwd=tmp_path)
     assert code == 0, err
     scores, result = scores_and_result(out)
-    assert result["episodes"] == 2 and all(-21 <= score <= 21 for score in scores)
+    # a game ends when a side reaches 21: the score is 21 less the loser's points, won or lost
+    assert result["episodes"] == 2 and all(score == int(score) and 1 <= abs(score) <= 21 for score in scores)
+    durations, size = gif_durations(tmp_path / "game.gif")
+    assert size == (160, 210) and len(durations) > 1   # the first game, as the emulator renders it
     durations, size = gif_durations(tmp_path / "game.gif")
     assert len(durations) > 100 and size == (160, 210)         # a whole game, as the screen shows it
     assert all(ms % 70 == 0 for ms in durations)               # 4 frames of a 60 Hz console: 67 ms
@@ -233,10 +237,16 @@ def test_plot_writes_a_png(short_run, x, tmp_path, in_process):
     assert code == 0, err
     with Image.open(tmp_path / "curve.png") as png:
         assert png.format == "PNG" and png.size == (800, 450)
+        pixels = np.asarray(png.convert("RGB")).reshape(-1, 3).astype(int)
+    # the curve drawn: pixels of matplotlib's first line colour (#1f77b4), not only axes and text
+    assert (np.abs(pixels - [31, 119, 180]).sum(axis=1) < 30).sum() > 100
 
 
 def test_plot_curve_is_the_logged_mean_against_frames_or_minutes(short_run):
     folder, frames, means = plot.load_curve(str(short_run), "frames")
+    logged = EventAccumulator(str(short_run), size_guidance={"scalars": 0})
+    logged.Reload()
+    assert [(e.step, e.value) for e in logged.Scalars("episodes/avg_reward")] == list(zip(frames, means))
     _, minutes, same_means = plot.load_curve(str(short_run), "minutes")
     assert folder == short_run.name and same_means == means
     assert len(means) > 50                                # one point per finished episode

@@ -160,6 +160,23 @@ def test_calc_loss_dqn_by_hand(module):
     assert tgt_net.table.grad is None                 # the target is a constant
 
 
+def test_dqn_compile_train_step_by_hand():
+    # a buffer of one transition, twice: every draw gives loss (Q(s, a) - y)^2 with Q(s, a) = 2 and
+    # y = 1 + 0.5 * 40 = 21; its gradient on the table's entry [0, 1] is 2 * (q - y)
+    net, tgt_net = LinearQ([[1.0, 2.0], [3.0, 4.0]]), LinearQ([[10.0, 20.0], [30.0, 40.0]])
+    buffer = dqn_compile.DeviceReplayBuffer(4, gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), torch.device("cpu"))
+    exp = common.ExperienceFirstLast(np.array([1, 0], np.float32), 1, 1.0, np.array([0, 1], np.float32), 1)
+    buffer.extend([exp, exp])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    loss = dqn_compile.train_step(buffer, net, tgt_net, optimizer, 8, GAMMA)
+    assert loss.item() == pytest.approx(19 ** 2)
+    assert net.table[0, 1].item() == pytest.approx(2 + 0.01 * 38)                  # 2.38
+    dqn_compile.train_step(buffer, net, tgt_net, optimizer, 8, GAMMA)              # the last grad is gone first
+    assert net.table[0, 1].item() == pytest.approx(2.38 + 0.01 * 2 * (21 - 2.38))  # 2.7524
+    assert torch.equal(net.table.detach()[[0, 1, 1], [0, 0, 1]], torch.tensor([1.0, 3.0, 4.0]))
+    assert torch.equal(tgt_net.table.detach(), torch.tensor([[10.0, 20.0], [30.0, 40.0]]))
+
+
 def random_dqn_batch(rng, device="cpu"):
     """Tensors (states, actions, rewards, dones, last_states) of 96 random transitions between 4-vectors."""
     arrays = (rng.normal(size=(96, 4)).astype(np.float32), rng.integers(2, size=96),
@@ -507,7 +524,9 @@ def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(make, backward, 
     assert relative_error(loss16, loss32) <= bound
     for m, grad16, grad32 in zip(weighted_layers(net), grads16, grads32):
         assert grad16.dtype == torch.float32
-        assert relative_error(grad16, grad32) <= bound * condition[m], m
+        # capped: where the sum is ill-conditioned (the first convolution's, 57 to 97 here) the bound
+        # passes anything, a zero gradient too; the errors seen there are at most 0.26
+        assert relative_error(grad16, grad32) <= min(bound * condition[m], 0.5), m
     # and bf16 does change them: a run that silently stayed fp32 fails here
     assert any(relative_error(g16, g32) > U / 4 for g16, g32 in zip(grads16, grads32))
 

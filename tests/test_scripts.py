@@ -604,6 +604,50 @@ def test_sigint_and_sigterm_stop_everything_with_a_summary_and_exit_codes_130_an
     assert_none_left(tag)
 
 
+# a SIGTERM as the script starts: right after setup() (before envs, networks, shared memory and
+# children exist), or, for dqn_compile, inside the compile probe; under torchrun to rank 0
+STARTUP_SIGNAL_HOOK = """
+import os, signal, torch, common
+def signal_now():
+    if os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+if os.environ.get("RL_TEST_SIGNAL_AT") == "probe":
+    compile = torch.compile
+    def signalling_compile(fn, **kwargs):
+        compiled = compile(fn, **kwargs)
+        def call(*args):
+            signal_now()
+            return compiled(*args)
+        return call
+    torch.compile = signalling_compile
+else:
+    setup = common.setup
+    def signalled_setup(*args):
+        result = setup(*args)
+        signal_now()
+        return result
+    common.setup = signalled_setup
+"""
+STARTUP = [(script, "setup") for script in SCRIPTS + ["a3c_dist"]] + [("dqn_compile", "probe")]
+
+
+@needs_proc
+@pytest.mark.parametrize("script, moment", slow_but(("dqn_fast", "setup"), STARTUP))
+def test_a_sigterm_at_start_up_stops_as_cleanly_as_one_mid_run(script, moment, tmp_path):
+    tag = uuid.uuid4().hex
+    env = dict(hooked_env(tmp_path, STARTUP_SIGNAL_HOOK, tagged_env(tag)), RL_TEST_SIGNAL_AT=moment)
+    if script == "a3c_dist":
+        proc = start_dist("--env", "cartpole", cwd=tmp_path, env=env, ranks=2)
+    else:
+        proc = start(script, "--env", "cartpole", cwd=tmp_path, env=env)
+    out, err = proc.communicate(timeout=120)
+    if script != "a3c_dist":                   # under torchrun, the code and the report are torchrun's
+        assert proc.returncode == 143 and "Traceback" not in err, err
+    assert [line.startswith("{") for line in out.splitlines()].count(True) == 1
+    assert summary(out)["episodes"] == 0 and not summary(out)["solved"]   # stopped at its first boundary
+    assert_none_left(tag)
+
+
 def spawned_children(tag):
     """Pids of the run's processes that multiprocessing spawned (not its resource tracker)."""
     pids = []
@@ -868,8 +912,10 @@ def test_a3c_dist_with_cuda_2_ranks_sharing_one_gpu_hold_equal_weights(tmp_path)
 @slow
 @needs_proc
 def test_a3c_dist_a_seed_reproduces_its_weights(tmp_path):
-    runs = [dist_weights(tmp_path / name, "--max-frames", "3000", "--seed", "3")["0"] for name in "ab"]
+    runs = [dist_weights(tmp_path / name, "--max-frames", "3000", "--seed", str(seed))["0"]
+            for name, seed in [("a", 3), ("b", 3), ("c", 4)]]
     assert len(runs[0]) > 40 and runs[0][:40] == runs[1][:40]   # 20 steps: the collective waits for every rank
+    assert runs[0][:40] != runs[2][:40]                         # and another seed makes other weights
 
 
 # every process saves, at its first optimizer step, the gradient it applies and the weights it makes,
