@@ -218,10 +218,9 @@ if __name__ == "__main__":
         env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
         params.gamma, seed=args.seed, overlap=overlap)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
-    tracker = common.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved
-    set_capturable(optimizer, device)   # before the first compiled step
 
-    with tracker:
+    with common.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
+        set_capturable(optimizer, device)   # after a restore, before the first compiled step
         for exps in exp_source:
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
