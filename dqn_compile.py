@@ -177,6 +177,43 @@ class DeviceReplayBuffer:
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
 
+class CUDAGraphStep:
+    """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the first
+    WARMUP_CALLS calls run it on a side stream (compiling it, making Adam's state), the next records
+    it, and from there each call replays it. A replay queues the whole training step (sample, loss,
+    backward, Adam) with one launch, where mode="reduce-overhead" splits it into graphs around the
+    backward with copies between them. Every tensor fn reads or writes must stay where it is."""
+    WARMUP_CALLS = 3
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+        self.calls, self.graph, self.out = 0, None, None
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.WARMUP_CALLS:   # each one a real step
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.out = self.fn(*self.args)
+            torch.cuda.current_stream().wait_stream(side)
+            return self.out
+        if self.graph is None:                # recording runs nothing: the replay below takes the step
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn(*self.args)
+        self.graph.replay()
+        return self.out                       # the graph's output: each replay overwrites it
+
+
+def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
+    """train_step compiled, as a function of no arguments; on the GPU replayed as one CUDA graph."""
+    compiled = torch.compile(train_step)
+    if buffer.device.type == "cuda":
+        return CUDAGraphStep(compiled, buffer, net, tgt_net, optimizer, batch_size, gamma)
+    return lambda: compiled(buffer, net, tgt_net, optimizer, batch_size, gamma)
+
+
 def set_capturable(optimizer, device):
     """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only on an
     empty state: a state restored by --resume keeps those of the device it was saved on."""
@@ -205,13 +242,14 @@ if __name__ == "__main__":
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
-    mode = "reduce-overhead" if args.cuda else None  # on the GPU, a step's kernels replay as one CUDA graph
+    mode = "reduce-overhead" if args.cuda else None  # on the GPU, acting's kernels replay as one CUDA graph
     epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
     torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
     states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
     act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
-    compiled_step = torch.compile(train_step, mode=mode)
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
+    # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
+    step = compile_train_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
     # on the GPU, ale-py's envs play the next step in their own threads while the GPU trains on this one
     overlap = args.cuda and hasattr(env, "send")
     exp_source = common.ExperienceSourceFirstLast(
@@ -228,8 +266,7 @@ if __name__ == "__main__":
                 break
             if len(buffer) < params.replay_start:
                 continue
-            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
-            loss = compiled_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
+            loss = step()
             if tracker.train_steps % LOG_EVERY == 0:  # .item() waits for the GPU: read the loss now and then
                 tracker.train(loss=loss.item(), epsilon=epsilon.item())   # counts the training step
             else:

@@ -170,10 +170,10 @@ def test_a_resumed_dqn_compile_step_on_cuda_replays_its_graph_with_no_recompile_
         else:
             buffer.extend(transitions(100, seed=0))
         dqn_compile.set_capturable(optimizer, device)
-        step = torch.compile(dqn_compile.train_step, mode="reduce-overhead")
+        step = dqn_compile.compile_train_step(buffer, net, tgt_net, optimizer, 32, 0.99)
         with torch._dynamo.config.patch(error_on_recompile=segment == 1):
             for _ in range(5):
-                loss = step(buffer, net, tgt_net, optimizer, 32, 0.99)
+                loss = step()
         assert np.isfinite(loss.item())
         common.save_whole({name: obj.state_dict() for name, obj in saved.items()}, path)
         torch._dynamo.reset()

@@ -265,12 +265,12 @@ def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_re
     torch._dynamo.mark_static_address(epsilon)
     with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch(fallback_random=True):
         act = dqn_compile.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
-        compiled_step = torch.compile(dqn_compile.train_step, mode=mode)
+        compiled_step = dqn_compile.compile_train_step(buffers[1], nets[1], tgt_nets[1], optimizers[1], 96, GAMMA)
         for step in range(1, 9):
             torch.manual_seed(step)
             eager = dqn_compile.train_step(buffers[0], nets[0], tgt_nets[0], optimizers[0], 96, GAMMA)
             torch.manual_seed(step)
-            compiled = compiled_step(buffers[1], nets[1], tgt_nets[1], optimizers[1], 96, GAMMA)
+            compiled = compiled_step()
             assert compiled.item() == pytest.approx(eager.item(), rel=1e-4), step
             for eager_param, compiled_param in zip(nets[0].parameters(), nets[1].parameters()):
                 torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
@@ -313,16 +313,16 @@ def test_dqn_compile_on_cuda_queues_200_training_steps_with_no_host_sync_recompi
     net = dqn_compile.DQN(space.shape, 6, bf16=True).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
-    step = torch.compile(dqn_compile.train_step, mode="reduce-overhead")
+    step = dqn_compile.compile_train_step(buffer, net, tgt_net, optimizer, 96, 0.99)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(3):   # compiling, warm-up, recording
-            step(buffer, net, tgt_net, optimizer, 96, 0.99)
+        for _ in range(step.WARMUP_CALLS + 1):   # compiling, warm-up, recording
+            step()
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)   # cycles: about 2 s at the H100's and H200's 1.98 GHz
         queued = time.perf_counter()
         for i, exps in enumerate(played[300:] * 2):
             buffer.extend(exps)
-            loss = step(buffer, net, tgt_net, optimizer, 96, 0.99)
+            loss = step()
             if i % 50 == 49:
                 tgt_net.load_state_dict(net.state_dict())
         queued = time.perf_counter() - queued
