@@ -48,6 +48,7 @@ RULES = [
     ("acting", "dqn_compile.py", {"<lambda>"}),       # its agent: the compiled acting and the wait for its actions
     ("training", None, {"calc_loss_dqn", "calc_loss_a2c", "unpack_batch_dqn", "unpack_batch_a2c",
                         "train_step", "mean_grads"}),
+    ("training", "dqn_compile.py", {"CUDAGraphStep.__call__"}),   # the training step's graph, replayed
     ("training", "torch/_tensor.py", {"Tensor.backward"}),   # not all of torch/autograd/: no_grad is there
     ("training", "torch/optim/", None),               # the optimizer step
     ("training", "torch/nn/utils/clip_grad.py", None),
@@ -312,16 +313,18 @@ def script_command(script, args, warmup, bf16=False):
 def run_script(script, args, warmup, bf16=False):
     """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
     cmd = script_command(script, args, warmup, bf16)
-    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a long run cannot fill it and stall
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+    # files, not pipes: a long run cannot fill them and stall
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         peak = 0
         while proc.poll() is None:
             peak = max(peak, tree_rss(proc.pid))
             time.sleep(0.5)
         out.seek(0)
-        lines = out.read().strip().splitlines()
+        err.seek(0)
+        lines, said = out.read().strip().splitlines(), err.read().strip().splitlines()
     if proc.returncode != 0 or not lines:
-        sys.exit(f"bench.py: error: {script} exited with code {proc.returncode}")
+        fail(f"{script} exited with code {proc.returncode}" + (f": {said[-1]}" if said else ""))
     summary = json.loads(lines[-1])
     summary["peak_rss"] = peak
     return summary

@@ -567,9 +567,9 @@ def setup(parser, hyperparams):
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
     device = torch.device("cuda" if args.cuda else "cpu")
-    if args.bf16 and not bf16_native(device):
-        print(f"{parser.prog}: warning: --bf16 is emulated on this {device.type.upper()}: it may run slower "
-              "than fp32", file=sys.stderr, flush=True)
+    if args.bf16 and not bf16_native(device) and os.environ.get("RANK", "0") == "0":   # once a run
+        print(f"{parser.prog}: warning: --bf16 is emulated on this {'GPU' if args.cuda else 'CPU'}: it may run "
+              "slower than fp32", file=sys.stderr, flush=True)
     global stop_signal
     stop_signal = None
     for signum in (signal.SIGINT, signal.SIGTERM):   # a kill stops as cleanly as Ctrl-C

@@ -15,6 +15,7 @@ Compiling is part of the run: acting compiles at start-up (where a machine witho
 compiler stops, with one line), the training step at the first training step, whose time the
 summary gives apart (first_step_seconds)."""
 import copy
+import functools
 import sys
 
 import numpy as np
@@ -211,7 +212,7 @@ def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
     compiled = torch.compile(train_step)
     if buffer.device.type == "cuda":
         return CUDAGraphStep(compiled, buffer, net, tgt_net, optimizer, batch_size, gamma)
-    return lambda: compiled(buffer, net, tgt_net, optimizer, batch_size, gamma)
+    return functools.partial(compiled, buffer, net, tgt_net, optimizer, batch_size, gamma)
 
 
 def set_capturable(optimizer, device):

@@ -1,6 +1,7 @@
 """Plain `pytest` runs the fast tests; `pytest --all` adds those marked slow (learning CartPole,
 the whole stop and signal matrix, Pong and torchrun runs, play and plot on a trained run)."""
 import os
+import re
 import runpy
 import signal
 import sys
@@ -26,6 +27,13 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def our_lines(err):
+    """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever warnings
+    a library prints around them; a traceback fails the test."""
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if re.match(r"\w+\.py: ", line)]
 
 
 @pytest.fixture

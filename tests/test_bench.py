@@ -1,7 +1,10 @@
 """bench.py --profile: the rules that put a sample in a category, py-spy's raw output read back,
-a calibration against a child whose time is known, and short profiled runs (slow set)."""
+a calibration against a child whose time is known, and short profiled runs; bench.py's measuring
+path on a tiny CartPole budget: ceilings, tables, ratios, a failed script (the runs: slow set)."""
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
+from conftest import our_lines  # noqa: E402
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 slow = pytest.mark.slow
@@ -32,6 +36,8 @@ STACKS = [   # (process, stack from the outermost frame in, category)
     ("DQN main", [("<module>", "dqn_fast.py"), ("ReplayBuffer.sample", "common.py")], "replay"),
     ("dqn_compile main", [("<module>", "dqn_compile.py"), ("ExperienceSourceFirstLast.__iter__", "common.py"),
                           ("<lambda>", "dqn_compile.py")], "acting"),      # the wait for the actions
+    ("dqn_compile main", [("<module>", "dqn_compile.py"), ("CUDAGraphStep.__call__", "dqn_compile.py"),
+                          ("CUDAGraph.replay", "torch/cuda/graphs.py")], "training"),   # on the GPU
     ("dqn_compile main", [("<module>", "dqn_compile.py"), ("DeviceReplayBuffer.extend", "dqn_compile.py"),
                           ("DeviceReplayBuffer._to_device", "dqn_compile.py")], "replay"),
     ("DQN main", [("<module>", "dqn_fast.py"), ("RewardTracker.update", "common.py")], "other"),
@@ -150,8 +156,9 @@ def test_where_py_spy_may_not_trace_one_line_and_exit_code_2(tmp_path, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         bench.profile([sys.executable, "-c", "pass"], str(tmp_path / "raw"))
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("bench.py: error: py-spy may not trace") and "--cap-add SYS_PTRACE" in err
+    (line,) = our_lines(err)
+    assert exit_info.value.code == 2
+    assert line.startswith("bench.py: error: py-spy may not trace") and "--cap-add SYS_PTRACE" in line
 
 
 @slow
@@ -172,3 +179,77 @@ def test_a_profiled_cartpole_run_finds_every_process_and_its_work(tmp_path):
     assert shares[("dqn_mp", "main process")]["training"] > 10
     assert shares[("dqn_baseline", "main process")]["training"] > 10
     assert (tmp_path / "profile.png").stat().st_size > 10_000
+
+
+
+# ---------------------------------------------------------------- the measuring path
+def bench_run(cwd, *args, env=None):
+    """bench.py on CartPole with a tiny budget: its exit code, output and errors."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--env", "cartpole", "--frames", "300",
+                           "--seconds", "0.3", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def summaries(err):
+    """{label: JSON summary} of each script's run, as bench.py reports them on stderr."""
+    return {label.strip(): json.loads(value) for label, value in
+            (line.split(": ", 1) for line in err.splitlines() if line.startswith("  ") and ": {" in line)}
+
+
+def table(out):
+    """The table's rows, {script: its cells after the name}."""
+    rows = ([cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| dqn_"))
+    return {cells[0]: cells[1:] for cells in rows}
+
+
+@slow
+def test_bench_measures_the_ceilings_and_each_script_and_tables_their_ratios(tmp_path):
+    code, out, err = bench_run(tmp_path, "--scripts", "dqn_baseline", "dqn_fast")
+    assert code == 0, err
+    found = re.search(r"env \(C\+\+ vector env, 8 envs, random actions\) (\d+) frames/s, with 3 envs (\d+); "
+                      r"DQN net \(batch 32 training step\) (\d+) frames/s", out)
+    assert found, out
+    ceilings = dict(zip(["env, 8 envs", "env, 3 envs", "DQN net"], map(int, found.groups())))
+    assert min(ceilings.values()) > 0
+    runs, rows = summaries(err), table(out)
+    assert set(rows) == set(runs) == {"dqn_baseline", "dqn_fast"}
+    for script, (fps, ratio, fraction, rss) in rows.items():
+        run = runs[script]
+        assert run["frames"] >= 1000 + 300 and fps == f"{run['train_fps']:.0f}"   # CartPole's warm-up, then 300
+        assert ratio == f"{run['train_fps'] / runs['dqn_baseline']['train_fps']:.2f}x"
+        bound = min(["DQN net", "env, 3 envs"], key=ceilings.get)
+        percent, which = fraction.split(" ", 1)
+        assert which == f"({bound})"
+        assert float(percent.rstrip("%")) == pytest.approx(100 * run["train_fps"] / ceilings[bound], rel=0.02, abs=1)
+        assert float(rss.split()[0]) == pytest.approx(run["peak_rss"] / 2 ** 30, abs=0.006) and run["peak_rss"] > 0
+
+
+@slow
+def test_bench_bf16_tables_each_script_in_both_precisions_and_their_ratio(tmp_path):
+    code, out, err = bench_run(tmp_path, "--bf16", "--scripts", "dqn_fast")
+    assert code == 0, err
+    runs = summaries(err)
+    assert set(runs) == {"dqn_fast", "dqn_fast --bf16"}
+    fp32, bf16 = runs["dqn_fast"]["train_fps"], runs["dqn_fast --bf16"]["train_fps"]
+    assert table(out)["dqn_fast"][:3] == [f"{fp32:.0f}", f"{bf16:.0f}", f"{bf16 / fp32:.2f}x"]
+    assert "Ceilings with bf16: DQN net " in out
+
+
+FAILING_HOOK = """
+import os, sys
+if sys.orig_argv[1:] and sys.orig_argv[1].endswith("dqn_fast.py"):   # as a script answers bad input
+    print("dqn_fast.py: error: injected", file=sys.stderr, flush=True)
+    os._exit(2)
+"""
+
+
+@slow
+def test_a_script_that_fails_under_bench_ends_it_with_one_line_and_exit_code_2(tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(FAILING_HOOK)
+    paths = [str(tmp_path / "hook"), REPO] + [path for path in [os.environ.get("PYTHONPATH")] if path]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    code, out, err = bench_run(tmp_path, "--scripts", "dqn_fast", env=env)
+    assert code == 2 and "| dqn_fast" not in out
+    assert our_lines(err) == ["bench.py: error: dqn_fast exited with code 2: dqn_fast.py: error: injected"]

@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so plain `pytest` finds common
 import common  # noqa: E402
+from conftest import our_lines  # noqa: E402
 
 GAMMA = 0.5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -401,6 +402,69 @@ def test_classic_and_fast_atari_pipelines_start_episodes_alike():
         assert count[1] / np.mean(others) >= 1.5, (name, count[1], np.mean(others))
 
 
+class GameOfThreeFrames(gym.Env):
+    """A game that ends on its third frame; it counts its resets and frames and keeps the actions."""
+    observation_space = gym.spaces.Discrete(4)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        self.resets, self.frames, self.played = 0, 0, []
+
+    def get_action_meanings(self):
+        return ["NOOP", "FIRE"]
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.resets, self.frames = self.resets + 1, 0
+        return 0, {}
+
+    def step(self, action):
+        self.frames += 1
+        self.played.append(action)
+        return self.frames, 0.0, self.frames == 3, False, {}
+
+
+def test_a_game_that_ends_during_the_no_ops_is_reset_and_never_returned_ended():
+    game = GameOfThreeFrames()
+    env = common.FireAndNoopsOnReset(game, noop_max=30)
+    played = []
+    for seed in range(40):
+        game.resets, game.played = 0, []
+        obs, _ = env.reset(seed=seed)
+        frames = len(game.played)             # FIRE, then the no-ops drawn
+        assert game.played == [1] + [0] * (frames - 1)
+        assert game.resets == 1 + frames // 3   # a new game each time one ended
+        assert obs == frames % 3 != 3
+        played.append(frames)
+    assert max(played) >= 6                   # some ended during the no-ops, twice over
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads Linux's /proc/cpuinfo")
+def test_bf16_native_on_the_cpu_is_what_the_kernel_says_of_it():
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith(("flags", "Features")):   # x86, arm64
+                flags |= set(line.partition(":")[2].split())
+    assert common.bf16_native(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(sys, "argv", ["dqn_fast.py", "--cuda", "--bf16"])
+    monkeypatch.delenv("RANK", raising=False)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _, _, device = common.setup(common.argument_parser("test"), {"pong": {}})
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert device.type == "cuda"
+    assert our_lines(capsys.readouterr().err) == [
+        "dqn_fast.py: warning: --bf16 is emulated on this GPU: it may run slower than fp32"]
+
+
 # ---------------------------------------------------------------- RewardTracker
 def fake_args(max_frames=None, checkpoint_minutes=0):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False,
@@ -735,7 +799,10 @@ def test_a_child_sends_at_most_one_message_ahead_of_a_slow_reader():
     ahead = []
     with common.ChildProcesses(count_up, {"child": (counter,)}) as messages:
         for number in messages:
-            time.sleep(0.02)                      # a slow reader: a free child would be far ahead
+            deadline = time.monotonic() + 10
+            while counter.value == number and time.monotonic() < deadline:
+                time.sleep(0.001)                 # until the child starts the next message, however late
+            time.sleep(0.02)                      # a slow reader: a free child would be far ahead by now
             ahead.append(counter.value - number)
             if number == 30:
                 break

@@ -18,6 +18,7 @@ import a3c_data  # noqa: E402
 import dqn_baseline  # noqa: E402
 import play  # noqa: E402
 import plot  # noqa: E402
+from conftest import our_lines  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -57,8 +58,9 @@ def short_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
-    """DQN trained on CartPole until solved (about 22k frames with this seed)."""
-    return trained_run(tmp_path_factory, "dqn_baseline", "--env", "cartpole", "--seed", "1")
+    """DQN trained on CartPole until solved (about 22k frames with this seed; the budget is twice the most
+    frames any seed took in docs/RESULTS.md's records)."""
+    return trained_run(tmp_path_factory, "dqn_baseline", "--env", "cartpole", "--seed", "1", "--max-frames", "50000")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def scores_and_result(out):
 
 def assert_one_line_error(code, out, err, message):
     assert code == 2 and out == "", err
-    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    (line,) = our_lines(err)
+    assert message in line, err
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import common  # noqa: E402
 import dqn_compile  # noqa: E402
+from conftest import our_lines  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="no CUDA device"))]
@@ -235,7 +236,8 @@ def test_a_resume_that_contradicts_the_checkpoint_stops_with_one_line_and_change
     before = listing(stopped_run)
     assert in_process(script, "--resume", str(stopped_run), *args) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1
+    (line,) = our_lines(err)
+    assert line.startswith(f"{script}.py: error: ") and message in line
     assert listing(stopped_run) == before
 
 
@@ -251,7 +253,8 @@ def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_not
     assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
     err = capsys.readouterr().err
     expected = "holds no checkpoint.pt" if damage == "none" else "does not load: truncated, damaged or not a checkpoint"
-    assert err.startswith("dqn_baseline.py: error: --resume: ") and expected in err and err.count("\n") == 1
+    (line,) = our_lines(err)
+    assert line.startswith("dqn_baseline.py: error: --resume: ") and expected in line
     assert listing(tmp_path) == before
 
 
