@@ -452,7 +452,7 @@ class RewardTracker:
         codes 130 and 143), a dead child process (1, with one line). The checkpoint, best.pt and the
         summary are written with further signals ignored (torchrun sends a second SIGTERM)."""
         if exc_type is ChildProcessError and stop_signal is None:
-            print(f"{self.args.script}: error: {exc}", file=sys.stderr, flush=True)
+            print(f"{self.args.script}.py: error: {exc}", file=sys.stderr, flush=True)
             self.exit_code = 1
         elif exc_type is not None and exc_type is not ChildProcessError:
             return False   # a bug: no checkpoint of a state it may have left half-made

@@ -1,5 +1,6 @@
 """End to end: every script answers bad input, runs on Pong, learns CartPole and stops cleanly.
 The fast tests launch each mechanism once; those marked slow (`pytest --all`) launch every script."""
+import collections
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+import a3c_dist  # noqa: E402
 import common  # noqa: E402
 import dqn_fast  # noqa: E402
 from conftest import our_lines  # noqa: E402
@@ -739,7 +741,7 @@ def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     code, out, err = run(script, "--env", "cartpole", cwd=tmp_path, env=env, timeout=120)
     assert code == 1
     child = "play process" if script == "dqn_mp" else "worker 0"
-    assert "RuntimeError: injected crash" in err and f"{child} exited with code 1" in err
+    assert "RuntimeError: injected crash" in err and f"{script}.py: error: {child} exited with code 1" in err
     assert "frames" in summary(out)
     assert_none_left(tag)
 
@@ -863,11 +865,8 @@ def start_agents(tmp_path, *args, env):
     """Two torchrun agents, as on two machines (each --nnodes 2 --nproc-per-node 1, one c10d rendezvous
     on the loopback), each in a folder of its own and leading a process group of its own; the
     README's command across machines, on one machine."""
-    with socket.socket() as probe:   # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", os.path.join(REPO, "a3c_dist.py"), *args]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", os.path.join(REPO, "a3c_dist.py"), *args]
     agents = []
     for node in ("node0", "node1"):
         (tmp_path / node).mkdir()
@@ -912,7 +911,7 @@ def test_a3c_dist_across_two_torchrun_agents_a_lost_agent_ends_the_other_with_on
     assert agents[0].returncode != 0
     lost = [line for line in err.splitlines() if "lost a rank" in line]
     # rank 0 ends through its tracker, another rank with its number
-    assert len(lost) == 1 and re.fullmatch(r"a3c_dist(: error:|\.py: error: rank 1) lost a rank: .*", lost[0]), err
+    assert len(lost) == 1 and re.fullmatch(r"a3c_dist\.py: error: (rank 1 )?lost a rank: .*", lost[0]), err
     assert 'a3c_dist.py", line' not in err             # no traceback of ours
     after = err.splitlines()[err.splitlines().index(lost[0]) + 1:]
     assert not after or not after[0].startswith("frame #")   # nor gloo's C++ frames after our line
@@ -1013,20 +1012,117 @@ def test_a3c_dist_crash_in_a_worker_stops_every_rank_and_names_it(tmp_path):
     assert_none_left(tag)
 
 
+def free_port():
+    """A TCP port free on the loopback now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_ranks(tmp_path, *args, env, ranks=3):
+    """a3c_dist.py's ranks with the environment torchrun gives them, but no torchrun agent to end the
+    others when one ends: what a rank's loss leaves to the others is theirs to handle, as across
+    machines. Each leads a process group of its own."""
+    common_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
+                      LOCAL_WORLD_SIZE=str(ranks))
+    return [subprocess.Popen([sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=tmp_path,
+                             env=dict(common_env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for rank in range(ranks)]
+
+
+def assert_lost_a_rank(rank, proc, out, err):
+    """A rank that lost another ends with code 1 and the one line that says so; rank 0 with its summary."""
+    assert proc.returncode == 1, err
+    prefix = "a3c_dist.py: error: " + (f"rank {rank} " if rank else "")
+    (line,) = our_lines(err)
+    assert line.startswith(prefix + "lost a rank: "), err
+    if rank == 0:
+        assert summary(out)["solved"] is False         # its tracker's summary
+    else:
+        assert out == ""
+
+
 @slow
 @needs_proc
-def test_a3c_dist_death_of_rank_0_stops_every_worker_within_seconds(tmp_path):
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a3c_dist_ranks_that_lose_a_rank_each_end_with_one_line_and_code_1(victim, tmp_path):
     tag = uuid.uuid4().hex
-    proc = start_dist("--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
-    assert proc.stdout.readline().strip()              # a progress line: the run is under way
-    (rank_0,) = [pid for pid in tagged_pids(tag) if environ_has(pid, "RANK=0") and environ_has(pid, "LOCAL_RANK=0")]
-    os.kill(rank_0, signal.SIGKILL)
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode != 0
-    assert re.search(r"rank\s*:\s*0 \(local_rank", err)  # torchrun names the failed rank
-    # a worker that notices before torchrun stops it says so in one line, once, with no traceback
-    lost = [line for line in err.splitlines() if "lost a rank" in line]
-    assert all(re.fullmatch(r"a3c_dist\.py: error: rank [12] lost a rank: .*", line) for line in lost), lost
-    assert len(lost) == len({line.split()[3] for line in lost})
-    assert 'a3c_dist.py", line' not in err
+    ranks = start_ranks(tmp_path, "--env", "cartpole", env=tagged_env(tag))
+    assert ranks[0].stdout.readline().strip()          # a progress line: steps under way
+    os.kill(ranks[victim].pid, signal.SIGKILL)         # a machine lost, at once
+    started = time.monotonic()
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=90)
+        if rank != victim:
+            assert_lost_a_rank(rank, proc, out, err)
+    assert time.monotonic() - started < 30             # a reset connection: seen at the next step, not at the timeout
     assert_none_left(tag)
+
+
+@slow
+@needs_proc
+def test_a3c_dist_a_silent_rank_ends_the_others_at_the_collective_timeout(tmp_path):
+    tag = uuid.uuid4().hex
+    ranks = start_ranks(tmp_path, "--env", "cartpole", env=tagged_env(tag))
+    assert ranks[0].stdout.readline().strip()
+    os.kill(ranks[2].pid, signal.SIGSTOP)              # alive, connected, and silent
+    started = time.monotonic()
+    try:
+        for rank, proc in enumerate(ranks[:2]):
+            out, err = proc.communicate(timeout=150)
+            assert_lost_a_rank(rank, proc, out, err)
+        waited = time.monotonic() - started
+    finally:
+        os.kill(ranks[2].pid, signal.SIGKILL)
+    assert a3c_dist.TIMEOUT.total_seconds() - 5 < waited < a3c_dist.TIMEOUT.total_seconds() + 30
+    ranks[2].communicate(timeout=10)
+    assert_none_left(tag)
+
+
+@slow
+@needs_proc
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a3c_dist_a_signal_to_every_rank_ends_each_with_its_code_and_rank_0_with_the_summary(signum, tmp_path):
+    # torchrun's agent sends SIGTERM to every rank; a terminal's Ctrl-C reaches every rank on it
+    tag = uuid.uuid4().hex
+    ranks = start_ranks(tmp_path, "--env", "cartpole", env=tagged_env(tag))
+    assert ranks[0].stdout.readline().strip()
+    for proc in ranks:
+        os.kill(proc.pid, signum)
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signum and our_lines(err) == [], err
+        assert [line.startswith("{") for line in out.splitlines()].count(True) == (rank == 0)
+    assert_none_left(tag)
+
+
+# rank 1 reports 40 finished episodes of reward 0.5 (no CartPole episode scores that) at its third step
+MANY_EPISODES_HOOK = """
+import os
+import common
+_pop, _calls = common.ExperienceSourceFirstLast.pop_episodes, []
+def pop_episodes(self):
+    episodes = _pop(self)
+    _calls.append(None)
+    if os.environ.get("RANK") == "1" and len(_calls) == 3:
+        episodes += [(0.5, 3)] * 40
+    return episodes
+common.ExperienceSourceFirstLast.pop_episodes = pop_episodes
+"""
+
+
+@slow
+@needs_proc
+def test_a3c_dist_more_episodes_than_a_step_carries_arrive_at_the_next_steps(tmp_path):
+    proc = start_dist("--env", "cartpole", "--max-frames", "3000", cwd=tmp_path,
+                      env=hooked_env(tmp_path, MANY_EPISODES_HOOK))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    (run_dir,) = os.listdir(tmp_path / "runs")
+    acc = EventAccumulator(str(tmp_path / "runs" / run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    frames = [event.step for event in acc.Scalars("episodes/reward") if event.value == 0.5]
+    # all 40, in two steps: a step carries at most 32 of a rank's (the first, 31 and a real episode)
+    counts = collections.Counter(frames)
+    assert sum(counts.values()) == 40 and len(counts) == 2 and max(counts.values()) <= a3c_dist.MAX_EPISODES
