@@ -467,6 +467,49 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     assert sorted(children) == CHILDREN[script] and set(children.values()) <= {device}
 
 
+# ---------------------------------------------------------------- the same math from a seed
+# the sum of each parameter after each of the first 2 optimizer steps of the training process (rank
+# 0's under torchrun), written by the hook in $RL_TEST_STEPS; later steps of the multi-process
+# scripts depend on which message arrives first
+FIRST_STEPS_HOOK = """
+import json, os
+import torch
+_step, _after = torch.optim.Adam.step, []
+def recording_step(self, *args, **kwargs):
+    result = _step(self, *args, **kwargs)
+    if len(_after) < 2 and (os.environ.get("RANK") or "0") == "0":
+        _after.append([float(p.detach().double().sum()) for group in self.param_groups for p in group["params"]])
+        with open(os.environ["RL_TEST_STEPS"], "w") as f:
+            json.dump(_after, f)
+    return result
+torch.optim.Adam.step = recording_step
+"""
+FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "3"]}
+
+
+@slow
+@pytest.mark.parametrize("script", SCRIPTS + ["a3c_dist"])
+def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_before(script, tmp_path):
+    # tests/first_steps.json: recorded at commit b1d08b5 (CartPole, seed 7), before common.py was
+    # split (issue 40); a change to the math, or to what the generators draw, moves these sums
+    env = dict(hooked_env(tmp_path, FIRST_STEPS_HOOK), RL_TEST_STEPS=str(tmp_path / "steps.json"))
+    args = ["--env", "cartpole", "--seed", "7", "--max-frames", "1100" if script in DQN_SCRIPTS else "3000",
+            "--checkpoint-minutes", "0", *FIRST_STEPS_ARGS.get(script, [])]
+    if script == "a3c_dist":
+        proc = start_dist(*args, cwd=tmp_path, env=env)
+        err = proc.communicate(timeout=300)[1]
+        code = proc.returncode
+    else:
+        code, _, err = run(script, *args, cwd=tmp_path, env=env)
+    assert code == 0, err
+    with open(os.path.join(REPO, "tests", "first_steps.json")) as f:
+        expected = json.load(f)[script]
+    with open(tmp_path / "steps.json") as f:
+        steps = json.load(f)
+    assert len(steps) == len(expected) == 2
+    assert sum(steps, []) == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-6)
+
+
 # ---------------------------------------------------------------- CartPole learning
 # about twice the most frames any seed took to solve in docs/RESULTS.md's CartPole records (DQN 25.8k, A3C 298k)
 BUDGET = {"dqn_baseline": 50_000, "dqn_fast": 50_000, "dqn_mp": 50_000, "dqn_compile": 50_000,
