@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import processes
+import runs
 
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
@@ -115,21 +117,21 @@ def data_func(params, args, weights, worker_id, *, send):
 
 
 if __name__ == "__main__":
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="workers (default: 4)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
-    args, params, device = common.setup(parser, HYPERPARAMS)
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
+    parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
+    args, params, device = runs.setup(parser, HYPERPARAMS)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
-    weights = common.SharedWeights(net)
-    common.share_memory(parser, weights)  # where it is short, the run stops here with one line
+    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
+    weights = processes.SharedWeights(net)
+    processes.share_memory(parser, weights)  # where it is short, the run stops here with one line
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], tracker.frames
 
-    with tracker, common.ChildProcesses(data_func, workers) as messages:
+    with tracker, processes.ChildProcesses(data_func, workers) as messages:
         for states, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
             if tracker.update(frames, episodes):

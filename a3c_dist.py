@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import processes
+import runs
 
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
@@ -149,7 +151,7 @@ def unpack_message(msg, net, world_size):
 def all_reduce(msg):
     """Sum msg over every rank, in place; a rank that is gone, or silent for TIMEOUT, ends the run."""
     try:
-        common.unblocked(dist.all_reduce, msg)  # in a helper thread: Ctrl-C and SIGTERM still arrive
+        processes.unblocked(dist.all_reduce, msg)  # in a helper thread: Ctrl-C and SIGTERM still arrive
     except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
         raise ChildProcessError(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
 
@@ -175,9 +177,9 @@ def share_weights(net, optimizer):
 
 
 if __name__ == "__main__":
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, help="envs per rank (default: 8)")
-    args, params, device = common.setup(parser, HYPERPARAMS)
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--envs", type=runs.positive_int, help="envs per rank (default: 8)")
+    args, params, device = runs.setup(parser, HYPERPARAMS)
     args.envs = args.envs or params.envs
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
@@ -194,8 +196,8 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, args.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer)) if rank == 0 else \
-        common.SilentTracker(args, rank)   # rank 0's, with --resume, restores net and optimizer
+    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer)) if rank == 0 else \
+        runs.SilentTracker(args, rank)   # rank 0's, with --resume, restores net and optimizer
     share_weights(net, optimizer)   # every rank starts from rank 0's
     episodes, stop, frames = [], False, tracker.frames
 

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import processes
+import runs
 
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
@@ -104,7 +106,7 @@ def grads_func(params, args, weights, grad_slots, step_pipe, worker_id, *, send)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device)
     if args.cuda:
-        common.page_lock(grad_slots)  # its gradient is copied off the GPU into its slot every step
+        processes.page_lock(grad_slots)  # its gradient is copied off the GPU into its slot every step
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
@@ -145,27 +147,27 @@ def mean_stats(stats_list, samples):
 
 
 if __name__ == "__main__":
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--processes", type=common.positive_int, help="workers (default: 4)")
-    parser.add_argument("--envs", type=common.positive_int, help="envs per worker (default: 8)")
-    args, params, device = common.setup(parser, HYPERPARAMS)
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
+    parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
+    args, params, device = runs.setup(parser, HYPERPARAMS)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = common.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
-    weights = common.SharedWeights(net)
+    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
+    weights = processes.SharedWeights(net)
     grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))
-    common.share_memory(parser, weights, grad_slots)  # where it is short, the run stops here with one line
+    processes.share_memory(parser, weights, grad_slots)  # where it is short, the run stops here with one line
     if args.cuda:
-        common.page_lock(grad_slots)  # copied to the GPU every step
+        processes.page_lock(grad_slots)  # copied to the GPU every step
     step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
                for i in range(args.processes)}
     in_slots, frames = {}, tracker.frames   # worker id: (samples, loss stats) of the gradient in its slot
 
-    with tracker, common.ChildProcesses(grads_func, workers) as messages:
+    with tracker, processes.ChildProcesses(grads_func, workers) as messages:
         for _, step_pipe in step_pipes:
             step_pipe.send(None)  # step 0, the initial weights: every worker takes its first gradient
         for worker_id, samples, stats, new_frames, episodes in messages:

@@ -30,6 +30,7 @@ import torch
 import a3c_data
 import common
 import dqn_fast
+import runs
 
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad", "a3c_dist"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,8 +57,8 @@ RULES = [
     ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
     ("transport", "multiprocessing/connection.py", None),   # pipes: sending, receiving, waiting
     ("transport", "torch/distributed/", None),        # collectives
-    ("transport", "common.py", {"unblocked", "ChildProcesses.__iter__", "SharedWeights.publish",
-                                "SharedWeights.refresh", "SharedWeights.copy_to"}),
+    ("transport", "processes.py", {"unblocked", "ChildProcesses.__iter__", "SharedWeights.publish",
+                                   "SharedWeights.refresh", "SharedWeights.copy_to"}),
     ("transport", None, {"pack_message", "unpack_message", "all_reduce"}),
 ]
 START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
@@ -342,12 +343,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--env", choices=sorted(common.ENV_IDS), default="pong")
     parser.add_argument("--cuda", action="store_true")
-    parser.add_argument("--frames", type=common.positive_int, default=3000,
+    parser.add_argument("--frames", type=runs.positive_int, default=3000,
                         help="training frames per script, after its warm-up (default: 3000)")
     parser.add_argument("--seconds", type=float, default=10.0, help="time per ceiling (default: 10)")
     parser.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS)
-    parser.add_argument("--envs", type=common.positive_int, help="passed to the DQN scripts and A3C")
-    parser.add_argument("--processes", type=common.positive_int, help="passed to the A3C scripts")
+    parser.add_argument("--envs", type=runs.positive_int, help="passed to the DQN scripts and A3C")
+    parser.add_argument("--processes", type=runs.positive_int, help="passed to the A3C scripts")
     parser.add_argument("--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio")
     parser.add_argument("--profile", action="store_true",
                         help="every script also under py-spy: where each process's time goes (table and PNG)")
@@ -381,7 +382,7 @@ def main():
     if args.cuda:
         machine += f", {torch.cuda.get_device_name()}"
     if args.bf16:
-        machine += f"; bf16 {'native' if common.bf16_native(device) else 'EMULATED (slower than fp32)'}"
+        machine += f"; bf16 {'native' if runs.bf16_native(device) else 'EMULATED (slower than fp32)'}"
     command = " ".join(["python bench.py"] + sys.argv[1:])
     print(f"Machine: {machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
           f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {command}")

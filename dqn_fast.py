@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import runs
 
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
@@ -89,9 +90,9 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 if __name__ == "__main__":
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = common.setup(parser, HYPERPARAMS)
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
+    args, params, device = runs.setup(parser, HYPERPARAMS)
     env = common.make_fast_env(args.env, args.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
@@ -102,7 +103,7 @@ if __name__ == "__main__":
         env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
 
-    with common.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
+    with runs.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)

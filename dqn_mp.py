@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import processes
+import runs
 
 # ---------------------------------------------------------------- hyperparameters
 PONG = dict(
@@ -113,21 +115,21 @@ def play_func(params, args, weights, frames, *, send):
 
 
 if __name__ == "__main__":
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--envs", type=common.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = common.setup(parser, HYPERPARAMS)
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
+    args, params, device = runs.setup(parser, HYPERPARAMS)
     env = common.make_fast_env(args.env, args.envs)  # here only for its spaces: the child plays its own
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
-    tracker = common.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before sharing
-    weights = common.SharedWeights(net)
-    common.share_memory(parser, weights)  # where it is short, the run stops here with one line
+    tracker = runs.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before sharing
+    weights = processes.SharedWeights(net)
+    processes.share_memory(parser, weights)  # where it is short, the run stops here with one line
     children = {"play process": (params, args, weights, tracker.frames)}   # a resumed run's frames, and epsilon
 
-    with tracker, common.ChildProcesses(play_func, children) as messages:
+    with tracker, processes.ChildProcesses(play_func, children) as messages:
         for exps, frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 import common
+import runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINT_KEYS = ("script", "env", "obs_shape", "n_actions", "state_dict")
@@ -95,11 +96,11 @@ def save_gif(frames, file, ms):
 
 
 if __name__ == "__main__":
-    parser = common.ArgumentParser(__doc__)
+    parser = runs.ArgumentParser(__doc__)
     parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
-    parser.add_argument("--episodes", type=common.positive_int, default=10, help="episodes to play (default: 10)")
+    parser.add_argument("--episodes", type=runs.positive_int, default=10, help="episodes to play (default: 10)")
     parser.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")
-    parser.add_argument("--seed", type=common.seed_int, default=10 ** 6,
+    parser.add_argument("--seed", type=runs.seed_int, default=10 ** 6,
                         help="seed of the env and of sampled actions (default: 1000000, far from "
                              "the seeds of training, which start at --seed 0)")
     parser.add_argument("--cuda", action="store_true", help="run the network on the GPU")

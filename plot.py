@@ -11,6 +11,7 @@ from matplotlib.ticker import EngFormatter  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 import common  # noqa: E402
+import runs  # noqa: E402
 
 STAMP = re.compile(r"-\d{8}-\d{6}$")  # the time RewardTracker appends to a run folder's name
 
@@ -44,7 +45,7 @@ def labels(folders):
 
 
 if __name__ == "__main__":
-    parser = common.ArgumentParser(__doc__)
+    parser = runs.ArgumentParser(__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
     parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
                         help="where to write the plot (default: reward.png)")

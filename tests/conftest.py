@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """Every test leaves SIGINT and SIGTERM as it found them: a tracker that a test ran in this
+    process ignores both at its exit, and a process started later would inherit the ignored SIGINT
+    (Python then raises no KeyboardInterrupt)."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
 def our_lines(err):
     """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever warnings
     a library prints around them; a traceback fails the test."""

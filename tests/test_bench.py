@@ -7,7 +7,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -40,10 +39,10 @@ STACKS = [   # (process, stack from the outermost frame in, category)
                           ("CUDAGraph.replay", "torch/cuda/graphs.py")], "training"),   # on the GPU
     ("dqn_compile main", [("<module>", "dqn_compile.py"), ("DeviceReplayBuffer.extend", "dqn_compile.py"),
                           ("DeviceReplayBuffer._to_device", "dqn_compile.py")], "replay"),
-    ("DQN main", [("<module>", "dqn_fast.py"), ("RewardTracker.update", "common.py")], "other"),
-    ("dqn_mp main", [("<module>", "dqn_mp.py"), ("ChildProcesses.__iter__", "common.py"),
+    ("DQN main", [("<module>", "dqn_fast.py"), ("RewardTracker.update", "runs.py")], "other"),
+    ("dqn_mp main", [("<module>", "dqn_mp.py"), ("ChildProcesses.__iter__", "processes.py"),
                      ("wait", "multiprocessing/connection.py")], "transport"),
-    ("dqn_mp play process", [("play_func", "dqn_mp.py"), ("_child_main.<locals>.send", "common.py"),
+    ("dqn_mp play process", [("play_func", "dqn_mp.py"), ("_child_main.<locals>.send", "processes.py"),
                              ("_ConnectionBase.recv", "multiprocessing/connection.py")], "transport"),
     ("a3c_grad main", [("<module>", "a3c_grad.py"), ("mean_grads", "a3c_grad.py"),
                        ("Tensor.to", "torch/_tensor.py")], "training"),
@@ -51,7 +50,7 @@ STACKS = [   # (process, stack from the outermost frame in, category)
      "transport"),
     ("a3c_data worker", [("data_func", "a3c_data.py"), ("unpack_batch_a2c", "common.py"),
                          ("Module._call_impl", "torch/nn/modules/module.py")], "training"),
-    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("all_reduce", "a3c_dist.py"), ("unblocked", "common.py"),
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("all_reduce", "a3c_dist.py"), ("unblocked", "processes.py"),
                        ("Thread.join", "threading.py")], "transport"),   # the main thread joining the helper
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("pack_message", "a3c_dist.py")], "transport"),
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("clip_grad_norm_", "torch/nn/utils/clip_grad.py")], "training"),

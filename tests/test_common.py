@@ -19,6 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so plain `pytest` finds common
 import common  # noqa: E402
+import processes  # noqa: E402
+import runs  # noqa: E402
 from conftest import our_lines  # noqa: E402
 
 GAMMA = 0.5
@@ -446,7 +448,7 @@ def test_bf16_native_on_the_cpu_is_what_the_kernel_says_of_it():
         for line in cpuinfo:
             if line.startswith(("flags", "Features")):   # x86, arm64
                 flags |= set(line.partition(":")[2].split())
-    assert common.bf16_native(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    assert runs.bf16_native(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys):
@@ -456,7 +458,7 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
     monkeypatch.delenv("RANK", raising=False)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _, _, device = common.setup(common.argument_parser("test"), {"pong": {}})
+        _, _, device = runs.setup(runs.argument_parser("test"), {"pong": {}})
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -480,20 +482,20 @@ def fake_env():
 def test_a_stop_signal_is_taken_at_the_next_update_with_its_exit_code_and_a_checkpoint(signum, code, tmp_path,
                                                                                     monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common, "stop_signal", None)
-    with common.RewardTracker(fake_args(checkpoint_minutes=10), nn.Linear(2, 1), fake_env()) as tracker:
+    monkeypatch.setattr(runs, "stop_signal", None)
+    with runs.RewardTracker(fake_args(checkpoint_minutes=10), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [])
-        common.request_stop(signum, None)      # the handler only asks: the step in progress goes on
-        common.request_stop(signal.SIGINT, None)   # a second signal changes nothing
+        runs.request_stop(signum, None)      # the handler only asks: the step in progress goes on
+        runs.request_stop(signal.SIGINT, None)   # a second signal changes nothing
         assert tracker.update(20, [(-21.0, 900)])
     assert tracker.exit_code == code and json.loads(capsys.readouterr().out.splitlines()[-1])["frames"] == 20
-    checkpoint = torch.load(os.path.join(tracker.log_dir, common.CHECKPOINT), weights_only=True)
+    checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["frames"] == 20 and checkpoint["rewards"] == [-21.0]
 
 
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
         assert not tracker.solved
         assert tracker.update(20, [(21.0, 100)])            # the 100th
@@ -502,7 +504,7 @@ def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeyp
 
 def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
         # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
         assert not tracker.update(20, [(19.0, 100)] * 49)
@@ -511,7 +513,7 @@ def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
 
 def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         tracker.update(1, [(18.0, 1)] * 99)
         # the 100th episode solves it; the one after would drop the mean below 18 again
         assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
@@ -521,10 +523,10 @@ def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
 
 def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with common.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1), fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(999, [])
         assert tracker.update(1000, [])
-    with common.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
         assert not tracker.update(10 ** 9, [])                 # no limit
 
 
@@ -532,16 +534,16 @@ def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
 def test_save_whole_replaces_the_file_and_leaves_no_temporary(tmp_path):
     path = str(tmp_path / "best.pt")
     for value in (1, 2):
-        common.save_whole({"value": value}, path)
+        runs.save_whole({"value": value}, path)
         assert torch.load(path) == {"value": value}
     assert os.listdir(tmp_path) == ["best.pt"]
 
 
 def test_save_whole_that_fails_keeps_the_old_file_and_removes_its_temporary(tmp_path):
     path = str(tmp_path / "best.pt")
-    common.save_whole({"value": 1}, path)
+    runs.save_whole({"value": 1}, path)
     with pytest.raises(Exception):
-        common.save_whole({"value": 2, "not saveable": lambda: None}, path)   # pickle refuses a lambda
+        runs.save_whole({"value": 2, "not saveable": lambda: None}, path)   # pickle refuses a lambda
     assert torch.load(path) == {"value": 1} and os.listdir(tmp_path) == ["best.pt"]
 
 
@@ -549,13 +551,13 @@ def test_save_whole_that_fails_keeps_the_old_file_and_removes_its_temporary(tmp_
 STALLED_WRITE = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-import common
+import runs
 class Stall:
     def __reduce__(self):
         print("writing", flush=True)
         time.sleep(60)
-common.save_whole({"value": 1}, sys.argv[1])
-common.save_whole({"value": 2, "stall": Stall()}, sys.argv[1])
+runs.save_whole({"value": 1}, sys.argv[1])
+runs.save_whole({"value": 2, "stall": Stall()}, sys.argv[1])
 """
 
 
@@ -573,7 +575,7 @@ def test_save_whole_killed_in_the_middle_leaves_the_old_file_whole(tmp_path):
 def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with common.RewardTracker(fake_args(), net, fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
         best_path = tmp_path / tracker.log_dir / "best.pt"
         tracker.update(10, [(-20.0, 1)] * 99)
         assert not best_path.exists()                         # no full window yet
@@ -591,7 +593,7 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with common.RewardTracker(fake_args(), net, fake_env()) as tracker:
+    with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
         tracker.update(100, [(-21.0, 800)])
         tracker.train(loss=0.5)
         tracker.update(200, [(-19.0, 900)])
@@ -624,7 +626,7 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- shared memory
-PARSER = common.ArgumentParser("test", prog="test")
+PARSER = runs.ArgumentParser("test", prog="test")
 COPIES = [("cpu", False), ("cpu", True),
           pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
@@ -633,7 +635,7 @@ def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(fake_shm_fre
     fake_shm_free(40 * 2 ** 20)
     tensors = [torch.zeros(2 ** 20) for _ in range(11)]            # 11 x 4 MiB = 46.1 MB
     with pytest.raises(SystemExit) as exit_info:
-        common.share_memory(PARSER, *tensors)
+        processes.share_memory(PARSER, *tensors)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         "test: error: shared memory is short: this run shares 46.1 MB and /dev/shm has 41.9 MB free; "
@@ -645,7 +647,7 @@ def test_share_memory_takes_what_just_fits_with_no_margin(fake_shm_free):
     # no margin: Docker's 64 MiB must hold a3c_grad's default, 5 x 13.2 MB = 65.9 MB of 67.1
     fake_shm_free(4 * 2 ** 20)
     tensors = [torch.zeros(2 ** 20 // 4) for _ in range(4)]     # 4 MiB exactly
-    common.share_memory(PARSER, *tensors)
+    processes.share_memory(PARSER, *tensors)
     assert all(t.is_shared() for t in tensors)
 
 
@@ -657,7 +659,7 @@ def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
                            "No space left on device (28)")
     monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
     with pytest.raises(SystemExit) as exit_info:
-        common.share_memory(PARSER, common.SharedWeights(nn.Linear(1000, 1000), copies=True))
+        processes.share_memory(PARSER, processes.SharedWeights(nn.Linear(1000, 1000), copies=True))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == ("test: error: shared memory is short: this run shares 4.0 MB and the system could not give it "
@@ -668,8 +670,8 @@ def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
 # ---------------------------------------------------------------- SharedWeights
 def shared_weights(net, copies=None):
     """SharedWeights of net, in shared memory."""
-    weights = common.SharedWeights(net, copies)
-    common.share_memory(PARSER, weights)
+    weights = processes.SharedWeights(net, copies)
+    processes.share_memory(PARSER, weights)
     return weights
 
 
@@ -679,7 +681,7 @@ def test_cuda_copies_reach_each_page_locked_tensor_also_one_at_a_freed_ones_addr
     # first tensor would send the second's copies from the GPU to the first one's pages
     for value in (1.0, 2.0):
         tensor = torch.zeros(1000).share_memory_()
-        common.page_lock(tensor)
+        processes.page_lock(tensor)
         assert tensor.is_pinned()
         tensor.copy_(torch.full((1000,), value, device="cuda"))
         assert torch.equal(tensor, torch.full((1000,), value))
@@ -746,7 +748,7 @@ def test_a_child_never_installs_a_torn_copy_of_weights_published_meanwhile():
     weights = shared_weights(learner, copies=True)
     child_net = weights.copy_to("cpu")
     installed, torn = [], False
-    with common.ChildProcesses(publish_numbers, {"writer": (weights,)}):
+    with processes.ChildProcesses(publish_numbers, {"writer": (weights,)}):
         deadline = time.time() + 60                  # the writer starts within seconds
         while len(set(installed)) < 100 and time.time() < deadline:
             assert weights.refresh(child_net)
@@ -774,7 +776,7 @@ def report_copy(weights, device, *, send):
 def test_child_process_copy_follows_what_the_learner_publishes(device, copies):
     learner = nn.Linear(3, 2).to(device)
     weights = shared_weights(learner, copies)
-    with common.ChildProcesses(report_copy, {"child": (weights, device)}) as reports:
+    with processes.ChildProcesses(report_copy, {"child": (weights, device)}) as reports:
         for count, params in enumerate(reports):
             assert {device_type for device_type, _ in params} == {device}
             if all(torch.equal(value, param.cpu()) for (_, value), param in zip(params, learner.parameters())):
@@ -797,7 +799,7 @@ def count_up(counter, *, send):
 def test_a_child_sends_at_most_one_message_ahead_of_a_slow_reader():
     counter = torch.multiprocessing.get_context("spawn").Value("l", -1)
     ahead = []
-    with common.ChildProcesses(count_up, {"child": (counter,)}) as messages:
+    with processes.ChildProcesses(count_up, {"child": (counter,)}) as messages:
         for number in messages:
             deadline = time.monotonic() + 10
             while counter.value == number and time.monotonic() < deadline:
@@ -820,7 +822,7 @@ def crash(*, send):
 def test_a_crashed_child_ends_the_iteration_with_its_name_and_exit_code():
     received = []
     with pytest.raises(ChildProcessError, match="^child exited with code 1$"):
-        with common.ChildProcesses(crash, {"child": ()}) as messages:
+        with processes.ChildProcesses(crash, {"child": ()}) as messages:
             for message in messages:
                 received.append(message)
     assert received == ["hello"]

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import common  # noqa: E402
 import dqn_compile  # noqa: E402
+import runs  # noqa: E402
 from conftest import our_lines  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -66,10 +67,10 @@ def next_draws(buffer):
 @pytest.fixture
 def stop_handler():
     """SIGTERM and SIGINT as a script's setup() sets them; the tests' own afterwards."""
-    handlers = {signum: signal.signal(signum, common.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    common.stop_signal = None
+    handlers = {signum: signal.signal(signum, runs.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    runs.stop_signal = None
     yield
-    common.stop_signal = None
+    runs.stop_signal = None
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
 
@@ -83,7 +84,7 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
         buffer.append(exp)
     buffer.sample(4)                      # the sampling generator has moved
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
-    with common.RewardTracker(fake_args(), net, fake_env(), saved) as tracker:
+    with runs.RewardTracker(fake_args(), net, fake_env(), saved) as tracker:
         tracker.update(600, [(-20.0, 900), (-19.0, 800)])
         for loss in (0.5, 0.25):
             tracker.train(loss=loss)
@@ -95,7 +96,7 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
     net2, tgt_net2, optimizer2 = trained(seed=1)
     buffer2 = common.ReplayBuffer(50, SPACE, seed=1)
     saved2 = dict(net=net2, tgt_net=tgt_net2, optimizer=optimizer2, buffer=buffer2)
-    resumed = common.RewardTracker(fake_args(resume=tracker.log_dir), net2, fake_env(), saved2)
+    resumed = runs.RewardTracker(fake_args(resume=tracker.log_dir), net2, fake_env(), saved2)
 
     for a, b in [(net, net2), (tgt_net, tgt_net2)]:
         for name, tensor in a.state_dict().items():
@@ -118,7 +119,7 @@ def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer(tmp_path):
     for exp in transitions(10, seed=0):
         buffer.append(exp)
     path = str(tmp_path / "buffer.pt")
-    common.save_whole(buffer.state_dict(), path)
+    runs.save_whole(buffer.state_dict(), path)
     assert os.path.getsize(path) < 10 * (28_224 + 7_056) + 50_000
 
 
@@ -129,7 +130,7 @@ def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(devi
     for step in range(0, 80, 3):          # a step of 3 envs at a time; the ring wraps
         buffer.extend(transitions(80, seed=0)[step:step + 3])
     path = str(tmp_path / "buffer.pt")
-    common.save_whole(buffer.state_dict(), path)
+    runs.save_whole(buffer.state_dict(), path)
     assert os.path.getsize(path) < 50 * (28_224 + 7_056) + 50_000
     restored = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
     restored.load_state_dict(torch.load(path, mmap=True, weights_only=True))
@@ -176,7 +177,7 @@ def test_a_resumed_dqn_compile_step_on_cuda_replays_its_graph_with_no_recompile_
             for _ in range(5):
                 loss = step()
         assert np.isfinite(loss.item())
-        common.save_whole({name: obj.state_dict() for name, obj in saved.items()}, path)
+        runs.save_whole({name: obj.state_dict() for name, obj in saved.items()}, path)
         torch._dynamo.reset()
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
@@ -186,7 +187,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
                                                                                stop_handler):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
-    with common.RewardTracker(fake_args(), net, fake_env(), dict(net=net)) as tracker:
+    with runs.RewardTracker(fake_args(), net, fake_env(), dict(net=net)) as tracker:
         for frames in range(1, 100):
             if tracker.update(frames, []):
                 break
@@ -197,7 +198,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
                 net.bias += 1
             tracker.train()
     assert tracker.exit_code == 143 and tracker.frames == 4
-    checkpoint = torch.load(os.path.join(tracker.log_dir, common.CHECKPOINT), weights_only=True)
+    checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["frames"] == 4 and checkpoint["train_steps"] == 3
     assert torch.equal(checkpoint["state"]["net"]["weight"], net.weight)
     assert torch.equal(checkpoint["state"]["net"]["bias"], net.bias)   # the step that the signal landed in is whole
@@ -244,11 +245,11 @@ def test_a_resume_that_contradicts_the_checkpoint_stops_with_one_line_and_change
 @pytest.mark.parametrize("damage", ["none", "truncated", "not a checkpoint"])
 def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_nothing(damage, stopped_run, tmp_path,
                                                                                     in_process, capsys):
-    data = (stopped_run / common.CHECKPOINT).read_bytes()
+    data = (stopped_run / runs.CHECKPOINT).read_bytes()
     if damage == "truncated":
-        (tmp_path / common.CHECKPOINT).write_bytes(data[:len(data) // 2])
+        (tmp_path / runs.CHECKPOINT).write_bytes(data[:len(data) // 2])
     elif damage == "not a checkpoint":
-        (tmp_path / common.CHECKPOINT).write_bytes(b"hello")
+        (tmp_path / runs.CHECKPOINT).write_bytes(b"hello")
     before = listing(tmp_path)
     assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
     err = capsys.readouterr().err
@@ -268,17 +269,17 @@ def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_m
     def tracker(args, *rest, **kwargs):
         options.update(vars(args))
         raise Made
-    monkeypatch.setattr(common, "RewardTracker", tracker)
+    monkeypatch.setattr(runs, "RewardTracker", tracker)
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "900")
     assert options["env"] == "cartpole" and options["max_frames"] == 900 and not options["bf16"]
-    assert options["seed"] == common.SEGMENT_SEED   # seed 0's first resumed segment plays new games
+    assert options["seed"] == runs.SEGMENT_SEED   # seed 0's first resumed segment plays new games
 
 
 # ---------------------------------------------------------------- a kill mid-write
 SLOW_WRITE_HOOK = """
-import os, time, common
-save_whole = common.save_whole
+import os, time, runs
+save_whole = runs.save_whole
 def slow_save_whole(obj, path):
     if path.endswith("checkpoint.pt") and os.environ.get("RL_SLOW_CHECKPOINT"):
         with open(path + ".tmp", "wb") as f:   # half a file, as a write that the kill cuts
@@ -286,7 +287,7 @@ def slow_save_whole(obj, path):
         print("writing", flush=True)
         time.sleep(60)
     save_whole(obj, path)
-common.save_whole = slow_save_whole
+runs.save_whole = slow_save_whole
 """
 
 
@@ -306,13 +307,13 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on
             break
     proc.kill()                               # SIGKILL, mid-write
     proc.wait()
-    assert (folder / (common.CHECKPOINT + ".tmp")).exists()
-    assert torch.load(folder / common.CHECKPOINT, weights_only=True)["frames"] == 2000
+    assert (folder / (runs.CHECKPOINT + ".tmp")).exists()
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] == 2000
     code, out, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "3000", cwd=tmp_path, env=env)
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["frames"] >= 3000 and result["episodes"] > 0
-    assert not (folder / (common.CHECKPOINT + ".tmp")).exists()
+    assert not (folder / (runs.CHECKPOINT + ".tmp")).exists()
 
 
 # ---------------------------------------------------------------- each script: stopped, resumed, solved
@@ -329,14 +330,14 @@ STOP_AT = {"dqn_fast": 6_000, "dqn_mp": 6_000, "dqn_compile": 6_000, "a3c_data":
 
 
 RESTORED_HOOK = """
-import os, torch, common
-restore = common.RewardTracker.restore
+import os, torch, runs
+restore = runs.RewardTracker.restore
 def recording_restore(self, checkpoint):
     restore(self, checkpoint)
     counters = {name: getattr(self, name) for name in ("frames", "episodes", "train_steps", "best_mean")}
     state = {name: obj.state_dict() for name, obj in self.saved.items()}
     torch.save(dict(state=state, counters=counters, rewards=list(self.rewards)), os.environ["RL_TEST_RESTORED"])
-common.RewardTracker.restore = recording_restore
+runs.RewardTracker.restore = recording_restore
 """
 
 
@@ -369,7 +370,7 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     assert proc.returncode == 143, err
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
-    checkpoint = torch.load(folder / common.CHECKPOINT, weights_only=True)
+    checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
     assert checkpoint["frames"] == stopped["frames"] and checkpoint["episodes"] == stopped["episodes"]
     assert checkpoint["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
     before = scalars(folder)
@@ -414,7 +415,7 @@ def test_a3c_dist_stopped_by_sigterm_resumes_from_rank_0s_checkpoint_with_its_ra
     out, err = proc.communicate(timeout=60)
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
-    assert torch.load(folder / common.CHECKPOINT, weights_only=True)["frames"] == stopped["frames"]
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] == stopped["frames"]
 
     proc = torchrun(3, "--resume", str(folder), cwd=tmp_path)
     out, err = proc.communicate(timeout=120)

@@ -21,6 +21,8 @@ sys.path.insert(0, REPO)
 import a3c_dist  # noqa: E402
 import common  # noqa: E402
 import dqn_fast  # noqa: E402
+import processes  # noqa: E402
+import runs  # noqa: E402
 from conftest import our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
@@ -75,9 +77,9 @@ if "spawn_main" in " ".join(sys.orig_argv):
 SLOW_LEARNER_HOOK = """
 import atexit, multiprocessing, os, time
 import torch
-import common
+import common, runs
 folder = os.environ["RL_TEST_AHEAD"]
-_iter, _update, _step = common.ExperienceSourceFirstLast.__iter__, common.RewardTracker.update, torch.optim.Adam.step
+_iter, _update, _step = common.ExperienceSourceFirstLast.__iter__, runs.RewardTracker.update, torch.optim.Adam.step
 taken, notes = [0], []
 def counting_iter(self):
     for count, exps in enumerate(_iter(self), 1):
@@ -99,19 +101,19 @@ def write_notes():
         with open(os.path.join(folder, "notes"), "w") as f:
             f.write("\\n".join(f"{t} {p}" for t, p in notes))
 common.ExperienceSourceFirstLast.__iter__ = counting_iter
-common.RewardTracker.update, torch.optim.Adam.step = counting_update, slow_step
+runs.RewardTracker.update, torch.optim.Adam.step = counting_update, slow_step
 atexit.register(write_notes)
 """
 # each child writes the device of its copy of the network to $RL_TEST_DEVICES/<its name>
 DEVICES_HOOK = """
 import multiprocessing, os
-import common
-_copy_to = common.SharedWeights.copy_to
+import processes
+_copy_to = processes.SharedWeights.copy_to
 def recording_copy_to(self, device):
     with open(os.path.join(os.environ["RL_TEST_DEVICES"], multiprocessing.current_process().name), "w") as f:
         f.write(str(device))
     return _copy_to(self, device)
-common.SharedWeights.copy_to = recording_copy_to
+processes.SharedWeights.copy_to = recording_copy_to
 """
 # the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
 # every other Python process of the run (the play process, multiprocessing's resource tracker)
@@ -349,7 +351,7 @@ def before_children(run_main, monkeypatch, tmp_path):
     """run_main in tmp_path, for a command line that must stop before any child starts."""
     def refuse(self):
         raise AssertionError("a child process started")
-    monkeypatch.setattr(common.ChildProcesses, "__enter__", refuse)
+    monkeypatch.setattr(processes.ChildProcesses, "__enter__", refuse)
     monkeypatch.chdir(tmp_path)
     handler = signal.getsignal(signal.SIGTERM)   # setup() sets its own
     yield run_main
@@ -425,8 +427,8 @@ def test_a3c_grad_in_a_40_mib_dev_shm_stops_with_one_line_and_in_64_mib_runs(tmp
 @needs_proc
 def test_torchs_own_failure_where_shared_memory_runs_out_ends_with_one_line():
     # 84 MB into a 40 MiB /dev/shm, with no room counted first (as on macOS and Windows): torch fails
-    share = ("import common, torch; common.shm_free = lambda: None; "
-             "common.share_memory(common.ArgumentParser('test', prog='test'), torch.ones(20 * 2 ** 20))")
+    share = ("import processes, runs, torch; processes.shm_free = lambda: None; "
+             "processes.share_memory(runs.ArgumentParser('test', prog='test'), torch.ones(20 * 2 ** 20))")
     short = small_dev_shm(40, [sys.executable, "-c", share])
     if short is None:
         pytest.skip("no user and mount namespaces here (unshare -rm)")
@@ -460,7 +462,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     assert set(expected) <= set(scalars)
     folder = tmp_path / "runs" / os.listdir(tmp_path / "runs")[0]
     assert os.path.exists(folder / "best.pt")
-    checkpoint = torch.load(folder / common.CHECKPOINT, mmap=True, weights_only=True)
+    checkpoint = torch.load(folder / runs.CHECKPOINT, mmap=True, weights_only=True)
     assert checkpoint["frames"] == result["frames"] and checkpoint["episodes"] == result["episodes"]
     # every child runs its own copy of the network on the run's device
     children = {path.name: path.read_text() for path in (tmp_path / "devices").iterdir()}
@@ -681,7 +683,7 @@ def test_sigint_and_sigterm_stop_everything_with_a_summary_and_exit_codes_130_an
 # a SIGTERM as the script starts: right after setup() (before envs, networks, shared memory and
 # children exist), or, for dqn_compile, inside the compile probe; under torchrun to rank 0
 STARTUP_SIGNAL_HOOK = """
-import os, signal, torch, common
+import os, signal, torch, runs
 def signal_now():
     if os.environ.get("RANK", "0") == "0":
         os.kill(os.getpid(), signal.SIGTERM)
@@ -695,12 +697,12 @@ if os.environ.get("RL_TEST_SIGNAL_AT") == "probe":
         return call
     torch.compile = signalling_compile
 else:
-    setup = common.setup
+    setup = runs.setup
     def signalled_setup(*args):
         result = setup(*args)
         signal_now()
         return result
-    common.setup = signalled_setup
+    runs.setup = signalled_setup
 """
 STARTUP = [(script, "setup") for script in SCRIPTS + ["a3c_dist"]] + [("dqn_compile", "probe")]
 
@@ -994,10 +996,10 @@ def test_a3c_dist_with_cuda_2_ranks_sharing_one_gpu_hold_equal_weights(tmp_path)
 @slow
 @needs_proc
 def test_a3c_dist_a_seed_reproduces_its_weights(tmp_path):
-    runs = [dist_weights(tmp_path / name, "--max-frames", "3000", "--seed", str(seed))["0"]
-            for name, seed in [("a", 3), ("b", 3), ("c", 4)]]
-    assert len(runs[0]) > 40 and runs[0][:40] == runs[1][:40]   # 20 steps: the collective waits for every rank
-    assert runs[0][:40] != runs[2][:40]                         # and another seed makes other weights
+    digests = [dist_weights(tmp_path / name, "--max-frames", "3000", "--seed", str(seed))["0"]
+               for name, seed in [("a", 3), ("b", 3), ("c", 4)]]
+    assert len(digests[0]) > 40 and digests[0][:40] == digests[1][:40]   # 20 steps: the collective waits for every rank
+    assert digests[0][:40] != digests[2][:40]                            # and another seed makes other weights
 
 
 # every process saves, at its first optimizer step, the gradient it applies and the weights it makes,

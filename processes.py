@@ -1,0 +1,260 @@
+"""The processes of a run and what they share: a call that Ctrl-C and SIGTERM do not wait for,
+child processes started with spawn and the messages they send, shared memory and its check, and the
+weights that the main process publishes for its children."""
+import copy
+import math
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+
+import torch
+
+
+# ---------------------------------------------------------------- a call that signals do not wait for
+def unblocked(func, *args):
+    """func(*args), called in a helper thread and waited for here: a call blocked in C++ (gloo, say)
+    would hold back Ctrl-C and SIGTERM, which Python delivers to the main thread, until it returned.
+    What it raises is raised here."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = func(*args)
+        except Exception as error:   # handed to the caller, who knows what it means
+            outcome["error"] = error
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+# ---------------------------------------------------------------- child processes
+class ChildProcesses:
+    """Children started with spawn, each running target(*args, send=send) with a pipe of its own to this
+    process. send(message) returns once this process has taken the message: a child runs at most one
+    message ahead of its reader on every OS, whatever the pipe's buffer holds. Iterating yields what
+    the children send, and raises ChildProcessError as soon as a child is dead, however it died: a
+    child killed mid-message gives EOF on its own pipe, never a reader that waits forever.
+    Leaving the with-block stops them all: none is left behind."""
+
+    def __init__(self, target, children):
+        """children: {name: args} for each child process."""
+        ctx = torch.multiprocessing.get_context("spawn")   # CUDA needs spawn; macOS and Windows use it
+        self.procs, self.pipes, self.child_ends = [], [], []
+        for name, args in children.items():
+            pipe, child_end = ctx.Pipe()
+            self.procs.append(ctx.Process(target=_child_main, args=(target, args, child_end), name=name,
+                                          daemon=True))   # ended at exit even if a later start fails
+            self.pipes.append(pipe)
+            self.child_ends.append(child_end)
+
+    def __enter__(self):
+        """Start the children with Ctrl-C ignored, which they inherit (on POSIX): a terminal sends it
+        to the whole process group, and the run must stop through this process alone, also while the
+        children import. A Ctrl-C in the milliseconds that start() takes is lost: press it again."""
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for proc, child_end in zip(self.procs, self.child_ends):
+                proc.start()
+                child_end.close()   # now the child holds its only end: its death gives EOF here
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __iter__(self):
+        """What the children send, in the order it arrives, forever."""
+        sentinels = {proc.sentinel: proc for proc in self.procs}
+        owners = dict(zip(self.pipes, self.procs))
+        while True:
+            for ready in multiprocessing.connection.wait(self.pipes + list(sentinels), timeout=1.0):
+                if ready in sentinels:
+                    self._died(sentinels[ready])
+                try:
+                    message = ready.recv()
+                    ready.send(None)          # taken: the child may go on while this process works on it
+                except (EOFError, OSError):   # the child is gone, between messages or in the middle of one
+                    self._died(owners[ready])
+                yield message
+
+    @staticmethod
+    def _died(proc):
+        """Raise the error that names a dead child and its exit code (and signal)."""
+        proc.join(timeout=5)
+        code = proc.exitcode
+        signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+        raise ChildProcessError(f"{proc.name} exited with code {code}{signame}")
+
+    def __exit__(self, *exc):
+        """Terminate the children and wait for them; kill those that do not end."""
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def _child_main(target, args, pipe):
+    """What a child runs: the script's target, with a send that waits until the message is taken."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # on Windows too, where it is not inherited
+
+    def send(message):
+        pipe.send(message)
+        pipe.recv()   # the main process's word that it took the message
+
+    try:
+        target(*args, send=send)
+    except (BrokenPipeError, ConnectionResetError, EOFError):   # the main process is gone
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------- shared memory
+def share_memory(parser, *shared):
+    """Move each tensor or SharedWeights into shared memory, before any child starts. Where there is
+    not room for them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says
+    what it needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm
+    first; on every OS torch's own failure is caught (macOS and Windows share through files, with
+    no /dev/shm to count)."""
+    needed, free = sum(item.nbytes for item in shared), shm_free()
+    if free is not None and needed > free:
+        parser.error(shm_short(needed, free))
+    try:
+        for item in shared:
+            item.share_memory_()
+    except (RuntimeError, OSError) as error:   # torch's word for no room, or no shared memory at all
+        parser.error(shm_short(needed, free, error))
+
+
+def shm_free():
+    """Bytes free in /dev/shm, where Linux keeps shared memory; None where there is none."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except (AttributeError, OSError):   # Windows has no statvfs, macOS no /dev/shm
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def shm_short(needed, free, error=None):
+    """The one line for a run that needs `needed` bytes of shared memory and cannot have them."""
+    size = 2 ** math.ceil(math.log2(2 * needed / 2 ** 20))   # MiB: twice the need, a power of 2
+    have = f"/dev/shm has {free / 1e6:.1f} MB free" if free is not None else "the system could not give it"
+    why = f" ({str(error).strip().splitlines()[0]})" if error is not None else ""
+    return (f"shared memory is short: this run shares {needed / 1e6:.1f} MB and {have}{why}; "
+            f"in Docker, give the container more with docker run --shm-size={size}m")
+
+
+def page_lock(tensor):
+    """Page-lock this process's mapping of a shared CPU tensor, on Linux, so that copies between it
+    and the GPU go straight to memory, not through a staging buffer of the driver's. Each process
+    maps shared memory at addresses of its own, so each locks its own mapping, once. A refusal
+    raises: CUDA would otherwise report it at the next kernel launch, as that kernel's error. The
+    lock ends with the tensor: one that outlived its memory would hold the old pages, and the GPU's
+    copies into a later tensor at the same addresses would land there, unseen. Elsewhere the copies
+    go through pageable memory (Windows' drivers limit page-locked memory)."""
+    if sys.platform != "linux" or tensor.is_pinned():
+        return
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+
+
+# ---------------------------------------------------------------- weights for the children
+class SharedWeights:
+    """The main process's weights where its children read them, in shared CPU memory (share_memory
+    puts them there). On the CPU the main process's network itself is shared, and publish and
+    refresh do nothing: the children act on it while the main process's optimizer steps write it,
+    because copying cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and
+    on the CPU with copies=True, as the tests do) the main process publishes its weights into one
+    flat shared tensor after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
+    from there: no GPU tensor crosses a process boundary, so this works where CUDA IPC does not
+    (Windows).
+
+    A version orders the copies, as a seqlock does: a publish makes it odd, writes, and makes it
+    even. A child copies the weights into a staging buffer between two reads of the version, and
+    installs the copy in its network only if the version did not move: no child acts with a torn
+    copy. The version is a multiprocessing.Value, whose lock is a full memory barrier on every OS
+    (a plain shared integer is not ordered on ARM)."""
+
+    def __init__(self, net, copies=None):
+        self.device = next(net.parameters()).device
+        self.copies = self.device.type != "cpu" if copies is None else copies
+        if self.copies:   # the children's template: the architecture without its values
+            self.net = copy.deepcopy(net).to("meta")
+            self.flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach().cpu()
+        else:
+            self.net = net
+        self.version = None     # made by share_memory_(): 0, for the weights copied above
+        self.installed = None   # the version that this process's copy holds
+
+    @property
+    def nbytes(self):
+        """The bytes that share_memory_() puts in shared memory."""
+        return self.flat.nbytes if self.copies else sum(p.nbytes for p in self.net.parameters())
+
+    def share_memory_(self):
+        """Move the weights into shared memory; common.share_memory calls it before any child starts."""
+        if not self.copies:
+            self.net.share_memory()
+            return
+        self.flat.share_memory_()
+        self.version = torch.multiprocessing.get_context("spawn").Value("q", 0)
+        if self.device.type == "cuda":
+            page_lock(self.flat)
+
+    def publish(self, net):
+        """Copy the main process's weights into shared memory (waiting for the copy off the GPU)."""
+        if not self.copies:
+            return
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(net.parameters())
+        self.version.value += 1   # odd: a publish is under way
+        self.flat.copy_(flat)
+        self.version.value += 1   # even: the weights are whole
+
+    def copy_to(self, device):
+        """A child's network on device: its own copy of the published weights, or, on the CPU
+        without copies, the main process's network itself."""
+        if not self.copies:
+            return self.net
+        net = copy.deepcopy(self.net).to_empty(device=device)
+        self.staging, self.installed = torch.empty_like(self.flat, device=device), None
+        if self.staging.is_cuda:
+            page_lock(self.flat)
+        if not self.refresh(net):
+            raise RuntimeError("no whole copy of the published weights within a second")
+        return net
+
+    def refresh(self, net):
+        """Install the newest published weights in net, a child's copy, if they are newer than what
+        it holds; True once it holds them. A copy that a publish overlapped is taken again, for up
+        to a second; after that (a main process that died mid-publish leaves the version odd) net keeps
+        the weights it has."""
+        if not self.copies:
+            return True
+        for _ in range(1000):
+            version = self.version.value
+            if version == self.installed:
+                return True
+            if version % 2 == 0:                      # no publish under way
+                self.staging.copy_(self.flat)         # waits for the copy to the GPU
+                if self.version.value == version:     # and none began meanwhile: the copy is whole
+                    self._install(net)
+                    self.installed = version
+                    return True
+            time.sleep(0.001)
+        return False
+
+    @torch.no_grad()
+    def _install(self, net):
+        """Copy the staging buffer into net's parameters."""
+        for param, value in zip(net.parameters(), self.staging.split([p.numel() for p in net.parameters()])):
+            param.copy_(value.view_as(param))
