@@ -151,5 +151,5 @@ if __name__ == "__main__":
             optimizer.step()
             weights.publish(net)
             stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
-            tracker.train(loss=stats["loss_total"], **stats)
+            tracker.trained(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -216,7 +216,7 @@ if __name__ == "__main__":
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
             optimizer.step()
-            tracker.train(loss=stats["loss_total"], **stats)
+            tracker.trained(loss=stats["loss_total"], **stats)
     if not tracker.exit_code:  # else stopped by a signal or a lost rank: a helper thread may still wait in gloo
         dist.destroy_process_group()
     # os._exit, not sys.exit: gloo's worker thread may still be releasing the last all_reduce's

@@ -188,5 +188,5 @@ if __name__ == "__main__":
             weights.publish(net)
             for _, step_pipe in step_pipes:
                 step_pipe.send(None)  # after the weights: a worker that hears of the step finds them
-            tracker.train(loss=stats["loss_total"], **stats)
+            tracker.trained(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -45,7 +45,7 @@ def atari_game(env):
     return gym.spec(ENV_IDS[env]).kwargs.get("game")
 
 
-def make_classic_env(env, n_envs=1, noop_max=30, render_mode=None):
+def make_python_env(env, n_envs=1, noop_max=30, render_mode=None):
     """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
     def make_one():
         one = gym.make(ENV_IDS[env], render_mode=render_mode)
@@ -61,7 +61,7 @@ def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
     """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else SyncVectorEnv."""
     game = atari_game(env)
     if game is None:
-        return make_classic_env(env, n_envs)
+        return make_python_env(env, n_envs)
     return ale_py.vector_env.AtariVectorEnv(
         game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=FRAME_SKIP, stack_num=4,
         repeat_action_probability=0.0, reward_clipping=False)

@@ -85,7 +85,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     args, params, device = runs.setup(parser, HYPERPARAMS)
-    env = common.make_classic_env(args.env)
+    env = common.make_python_env(args.env)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
@@ -109,7 +109,7 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.train(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            tracker.trained(loss=loss.item(), epsilon=epsilon)   # counts the training step
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
     sys.exit(tracker.exit_code)

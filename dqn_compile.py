@@ -270,9 +270,9 @@ if __name__ == "__main__":
                 continue
             loss = step()
             if tracker.train_steps % LOG_EVERY == 0:  # .item() waits for the GPU: read the loss now and then
-                tracker.train(loss=loss.item(), epsilon=epsilon.item())   # counts the training step
+                tracker.trained(loss=loss.item(), epsilon=epsilon.item())   # counts the training step
             else:
-                tracker.train()
+                tracker.trained()
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
     sys.exit(tracker.exit_code)

@@ -144,7 +144,7 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.train(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            tracker.trained(loss=loss.item(), epsilon=epsilon)   # counts the training step
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             weights.publish(net)

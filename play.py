@@ -109,7 +109,7 @@ if __name__ == "__main__":
         parser.error("--cuda given, but no CUDA device is available")
     try:
         checkpoint = load_checkpoint(args.checkpoint)
-        env = common.make_classic_env(checkpoint["env"], render_mode="rgb_array" if args.record else None)
+        env = common.make_python_env(checkpoint["env"], render_mode="rgb_array" if args.record else None)
         gif = open(args.record, "wb") if args.record else None  # an unwritable file fails now, not after playing
     except (ValueError, gym.error.DependencyNotInstalled) as error:
         parser.error(str(error))

@@ -157,8 +157,8 @@ class RewardTracker:
         save_whole(dict(self.model_info, frames=self.frames, mean_reward=mean, state_dict=state),
                    os.path.join(self.log_dir, "best.pt"))
 
-    def train(self, **scalars):
-        """Count a training step; log training scalars as train/<name>; a loss also feeds train/avg_loss."""
+    def trained(self, **scalars):
+        """Count a training step, just taken; log training scalars as train/<name>; a loss also feeds train/avg_loss."""
         self.train_steps += 1
         if self.train_start is None:  # the first training step (dqn_compile's compile) is timed apart
             now = time.perf_counter()
@@ -263,7 +263,7 @@ class SilentTracker:
     def update(self, frames, episodes):
         return False
 
-    def train(self, **scalars):
+    def trained(self, **scalars):
         pass
 
     def __enter__(self):

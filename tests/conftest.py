@@ -72,7 +72,7 @@ def in_process(run_main, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the script went past its checks")
     monkeypatch.setattr(common, "make_fast_env", refuse)
-    monkeypatch.setattr(common, "make_classic_env", refuse)
+    monkeypatch.setattr(common, "make_python_env", refuse)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     yield run_main
     for signum, handler in handlers.items():

@@ -362,7 +362,7 @@ def test_unpack_batch_a2c_all_terminated_needs_no_net():
 
 # ---------------------------------------------------------------- Atari pipelines
 def test_classic_and_fast_atari_pipelines_give_identical_observations():
-    classic = common.make_classic_env("pong", 1, noop_max=0)
+    classic = common.make_python_env("pong", 1, noop_max=0)
     fast = common.make_fast_env("pong", 1, threads=1, noop_max=0)
     try:
         obs_classic, _ = classic.reset(seed=42)
@@ -383,7 +383,7 @@ def test_classic_and_fast_atari_pipelines_give_identical_observations():
 
 def test_classic_and_fast_atari_pipelines_start_episodes_alike():
     # frames played before the first observation: FIRE, then 0 to 28 no-ops, 0 twice as likely
-    classic = common.make_classic_env("pong", 1)
+    classic = common.make_python_env("pong", 1)
     fast = common.make_fast_env("pong", 1, threads=1)
     counts = {"classic": collections.Counter(), "fast": collections.Counter()}
     try:
@@ -595,9 +595,9 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     net = nn.Linear(2, 1)
     with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
         tracker.update(100, [(-21.0, 800)])
-        tracker.train(loss=0.5)
+        tracker.trained(loss=0.5)
         tracker.update(200, [(-19.0, 900)])
-        tracker.train(loss=1.5)
+        tracker.trained(loss=1.5)
     log_dir = tmp_path / tracker.log_dir
     assert os.path.relpath(log_dir, tmp_path).startswith(os.path.join("runs", "test-pong-unit-"))
 

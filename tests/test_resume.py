@@ -87,7 +87,7 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
     with runs.RewardTracker(fake_args(), net, fake_env(), saved) as tracker:
         tracker.update(600, [(-20.0, 900), (-19.0, 800)])
         for loss in (0.5, 0.25):
-            tracker.train(loss=loss)
+            tracker.trained(loss=loss)
         tracker.update(1234, [(-18.0, 700)])
     expected = next_draws(buffer)
 
@@ -196,7 +196,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
                 if frames == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
                 net.bias += 1
-            tracker.train()
+            tracker.trained()
     assert tracker.exit_code == 143 and tracker.frames == 4
     checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["frames"] == 4 and checkpoint["train_steps"] == 3
