@@ -31,10 +31,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """Every test leaves SIGINT and SIGTERM as it found them: a tracker that a test ran in this
-    process ignores both at its exit, and a process started later would inherit the ignored SIGINT
-    (Python then raises no KeyboardInterrupt)."""
+    """Every test starts with SIGINT as a terminal gives it, and leaves SIGINT and SIGTERM as it found
+    them. A process that a test starts inherits an ignored SIGINT, and Python in it then raises no
+    KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest with SIGINT
+    ignored, and a tracker that a test runs in this process ignores both signals at its exit."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)

@@ -166,15 +166,6 @@ def assert_steps_average_one_gradient_per_worker_at_their_weights(folder, learne
         assert len(digests) <= len(steps) + 1, worker
 
 
-@pytest.fixture(autouse=True)
-def sigint_not_ignored():
-    """A shell without a terminal (nohup, a CI runner) may start pytest with SIGINT ignored, which the
-    scripts would inherit: give them the default that a terminal gives."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def start(script, *args, cwd, env=None):
     """Start a script as a user would, in cwd, with its output captured, leading a process group
     of its own (as a terminal starts it)."""
