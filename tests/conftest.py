@@ -42,6 +42,16 @@ def signal_handlers():
         signal.signal(signum, handler)
 
 
+def hooked_env(tmp_path, hook, env=None):
+    """The environment (os.environ unless given) in which every Python process runs `hook` first;
+    its PYTHONPATH comes after the hook's (packages may be installed there)."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
+    env = dict(env or os.environ)
+    paths = [str(tmp_path / "hook"), REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    return dict(env, PYTHONPATH=os.pathsep.join(paths))
+
+
 def our_lines(err):
     """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever warnings
     a library prints around them; a traceback fails the test."""
@@ -67,7 +77,7 @@ def run_main(monkeypatch):
 @pytest.fixture
 def in_process(run_main, monkeypatch):
     """run_main for a command line that must stop in its checks, before any work: an env made here
-    fails the test. The signal handlers that setup() sets are undone afterwards."""
+    fails the test."""
     sys.path.insert(0, REPO)
     import common
 
@@ -75,10 +85,7 @@ def in_process(run_main, monkeypatch):
         raise AssertionError("the script went past its checks")
     monkeypatch.setattr(common, "make_fast_env", refuse)
     monkeypatch.setattr(common, "make_python_env", refuse)
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    yield run_main
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
+    return run_main
 
 
 @pytest.fixture

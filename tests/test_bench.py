@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
-from conftest import our_lines  # noqa: E402
+from conftest import hooked_env, our_lines  # noqa: E402
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 slow = pytest.mark.slow
@@ -246,10 +246,6 @@ if sys.orig_argv[1:] and sys.orig_argv[1].endswith("dqn_fast.py"):   # as a scri
 
 @slow
 def test_a_script_that_fails_under_bench_ends_it_with_one_line_and_exit_code_2(tmp_path):
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(FAILING_HOOK)
-    paths = [str(tmp_path / "hook"), REPO] + [path for path in [os.environ.get("PYTHONPATH")] if path]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    code, out, err = bench_run(tmp_path, "--scripts", "dqn_fast", env=env)
+    code, out, err = bench_run(tmp_path, "--scripts", "dqn_fast", env=hooked_env(tmp_path, FAILING_HOOK))
     assert code == 2 and "| dqn_fast" not in out
     assert our_lines(err) == ["bench.py: error: dqn_fast exited with code 2: dqn_fast.py: error: injected"]

@@ -456,12 +456,7 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     monkeypatch.setattr(sys, "argv", ["dqn_fast.py", "--cuda", "--bf16"])
     monkeypatch.delenv("RANK", raising=False)
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _, _, device = runs.setup(runs.argument_parser("test"), {"pong": {}})
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    _, _, device = runs.setup(runs.argument_parser("test"), {"pong": {}})
     assert device.type == "cuda"
     assert our_lines(capsys.readouterr().err) == [
         "dqn_fast.py: warning: --bf16 is emulated on this GPU: it may run slower than fp32"]

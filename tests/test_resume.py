@@ -21,7 +21,7 @@ sys.path.insert(0, REPO)
 import common  # noqa: E402
 import dqn_compile  # noqa: E402
 import runs  # noqa: E402
-from conftest import our_lines  # noqa: E402
+from conftest import hooked_env, our_lines  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="no CUDA device"))]
@@ -66,13 +66,12 @@ def next_draws(buffer):
 
 @pytest.fixture
 def stop_handler():
-    """SIGTERM and SIGINT as a script's setup() sets them; the tests' own afterwards."""
-    handlers = {signum: signal.signal(signum, runs.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    """SIGTERM and SIGINT as a script's setup() sets them (conftest puts back the tests' own)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, runs.request_stop)
     runs.stop_signal = None
     yield
     runs.stop_signal = None
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
@@ -293,9 +292,7 @@ runs.save_whole = slow_save_whole
 
 @pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on_from_it(tmp_path):
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_WRITE_HOOK)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]))
+    env = hooked_env(tmp_path, SLOW_WRITE_HOOK)
     code, _, err = run_script("dqn_baseline", "--env", "cartpole", "--max-frames", "2000", cwd=tmp_path, env=env)
     assert code == 0, err
     (folder,) = (tmp_path / "runs").iterdir()
@@ -375,10 +372,7 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     assert checkpoint["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
     before = scalars(folder)
 
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(RESTORED_HOOK)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), REPO]),
-               RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
+    env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
     code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path,
                                 env=env)
     assert code == 0, err

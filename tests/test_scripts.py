@@ -23,7 +23,7 @@ import common  # noqa: E402
 import dqn_fast  # noqa: E402
 import processes  # noqa: E402
 import runs  # noqa: E402
-from conftest import our_lines  # noqa: E402
+from conftest import hooked_env, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
@@ -198,16 +198,6 @@ def tagged_env(tag):
     return dict(os.environ, RL_TEST_TAG=tag)
 
 
-def hooked_env(tmp_path, hook, env=None):
-    """The environment (os.environ unless given) in which every Python process runs `hook` first;
-    its PYTHONPATH comes after the hook's (packages may be installed there)."""
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
-    env = dict(env or os.environ)
-    paths = [str(tmp_path / "hook"), REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    return dict(env, PYTHONPATH=os.pathsep.join(paths))
-
-
 def environ_has(pid, entry):
     """Whether a live process's environment holds the entry ("NAME=value"; Linux /proc)."""
     try:
@@ -320,11 +310,7 @@ def test_dqn_compile_on_a_python_that_torch_cannot_compile_for_ends_with_one_lin
         raise RuntimeError("torch.compile is not supported on Python 3.15+")
     monkeypatch.setattr(torch, "compile", unsupported)
     monkeypatch.chdir(tmp_path)
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        assert run_main("dqn_compile", "--env", "cartpole") == 2
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    assert run_main("dqn_compile", "--env", "cartpole") == 2
     out, err = capsys.readouterr()
     assert our_lines(err) == ["dqn_compile.py: error: torch.compile fails here (torch.compile is not supported "
                               "on Python 3.15+); dqn_fast.py runs without it"] and out == ""
@@ -344,9 +330,7 @@ def before_children(run_main, monkeypatch, tmp_path):
         raise AssertionError("a child process started")
     monkeypatch.setattr(processes.ChildProcesses, "__enter__", refuse)
     monkeypatch.chdir(tmp_path)
-    handler = signal.getsignal(signal.SIGTERM)   # setup() sets its own
-    yield run_main
-    signal.signal(signal.SIGTERM, handler)
+    return run_main
 
 
 @pytest.mark.parametrize("script", MP_SCRIPTS)
