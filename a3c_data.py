@@ -1,13 +1,6 @@
 #!/usr/bin/env python3
 """A3C on Pong, data parallel: worker processes play and send training samples to the main process.
-
-What crosses the process boundary: numpy samples through a pipe per worker, and the weights in
-shared CPU memory, with which the workers act and compute the bootstrap values. On the CPU the
-workers use the main process's network itself, which the main process's optimizer steps change
-while they play. With --cuda the main process publishes the weights there after every training
-step, and each worker, after every micro-batch it sends, copies them into a network of its own on
-the GPU if they have changed, so a micro-batch is played and valued with one set of weights. No GPU
-tensor crosses the boundary, and the samples stay on the CPU until the main process stacks them."""
+What crosses between them, and what waits for what: docs/HOW.md."""
 import sys
 
 import numpy as np
@@ -94,12 +87,12 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
 
 
 def data_func(params, args, weights, worker_id, *, send):
-    """Worker process: play its envs with its copy of the published net, send n-step samples in
-    micro-batches."""
+    """Worker process: play its envs with the main process's net (its published weights on a GPU),
+    send n-step samples in micro-batches."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
-    net = weights.copy_to(device)
+    net = weights.copy_to(device) if args.cuda else weights
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
@@ -113,21 +106,26 @@ def data_func(params, args, weights, worker_id, *, send):
         micro_batch.clear()
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((states.numpy(), actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # once a micro-batch, played and valued with one set of weights (GPU)
+        if args.cuda:
+            weights.refresh(net)  # once a micro-batch, played and valued with one set of weights
 
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
     parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
-    weights = processes.SharedWeights(net)
-    processes.share_memory(parser, weights)  # where it is short, the run stops here with one line
+    # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
+    # with copies that the main process publishes: no CUDA tensor crosses a process boundary
+    weights = processes.SharedWeights(net) if args.cuda else net
+    processes.share_memory(parser, weights, page_locked=args.cuda)  # if it is short: one line, exit code 2
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], tracker.frames
 
@@ -149,7 +147,7 @@ if __name__ == "__main__":
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
-            weights.publish(net)
-            stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
+            if args.cuda:
+                weights.publish(net)
             tracker.trained(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -1,18 +1,7 @@
 #!/usr/bin/env python3
-"""A3C on Pong, gradient parallel across machines, in synchronous steps (A2C's update with A3C's
-workers): torchrun starts the ranks and torch.distributed (gloo) joins them; every rank plays and
-computes a gradient, one all_reduce averages them, and every rank applies the same optimizer step.
-
-What crosses the process boundary, over gloo and only as CPU tensors: rank 0's options, initial
-weights and Adam state, once (broadcasts: with --resume only rank 0 reads the checkpoint); then,
-every step, one all_reduce that sums a flat tensor from each rank: its gradient and loss stats,
-each times its samples, the samples, its frames played and finished episodes (in slots of its
-own), and rank 0's word to stop. Every rank divides by the samples and
-takes the same Adam step from the same weights, so the weights stay equal on every rank without
-being sent, as in DistributedDataParallel. Rank 0 alone logs, prints and saves.
-Start it with `torchrun --standalone --nproc-per-node 4 a3c_dist.py` (4 ranks), or on several
-machines with `torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:29400`."""
-import argparse
+"""A3C on Pong, gradient parallel across machines, in synchronous steps: torchrun starts the ranks,
+every rank plays and computes a gradient, one all_reduce sums them, and every rank takes the same
+optimizer step. How to start it on one machine or several, and what crosses: docs/HOW.md."""
 import datetime
 import os
 
@@ -40,9 +29,8 @@ PONG = dict(
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
-MAX_EPISODES = 32             # finished episodes a rank reports per step; more wait for the next
-STATS = ["advantage", "values", "loss_entropy", "loss_policy", "loss_value", "loss_total"]
 TIMEOUT = datetime.timedelta(seconds=60)   # a collective that waits longer for a rank ends the run
+MAX_EPISODES = 32             # finished episodes a rank reports per step; more wait for the next
 
 
 # ---------------------------------------------------------------- network, agent, loss
@@ -100,7 +88,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, env, net, rank, device):
+def gradients(params, args, env, net, rank, device):
     """Play this rank's envs; for each batch, leave the gradient of its mean loss in net's grads and
     yield (samples, loss stats, frames played, finished episodes)."""
     torch.manual_seed(args.seed + rank)  # rank r plays as a3c_grad's worker r
@@ -122,46 +110,41 @@ def grads_func(params, args, env, net, rank, device):
         yield len(actions), stats, new_frames, exp_source.pop_episodes()
 
 
-def pack_message(net, samples, stats, new_frames, episodes, stop, rank, world_size):
-    """One flat tensor, for all_reduce to sum over the ranks: the gradient and the loss stats, each
-    times samples; samples, frames played and the word to stop; then a slot per rank for up to
-    MAX_EPISODES finished episodes as (reward, steps), zeros but this rank's own."""
-    grad = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu()
-    stat_values = torch.tensor([stats[name] for name in STATS])
-    episode_slots = torch.zeros(world_size, MAX_EPISODES, 2)
-    episode_slots[rank, :len(episodes)] = torch.tensor(episodes).view(-1, 2)
-    counts = torch.tensor([samples, new_frames, stop])
-    return torch.cat([grad * samples, stat_values * samples, counts, episode_slots.flatten()])
-
-
-def unpack_message(msg, net, world_size):
-    """From the sum of every rank's pack_message: set net's grads to the gradient of the mean loss
-    over all the samples; return the stats of all the samples, frames played, episodes, and stop."""
-    sizes = [p.numel() for p in net.parameters()]
-    grad_sum, stats_sum, counts, episode_slots = msg.split([sum(sizes), len(STATS), 3, world_size * MAX_EPISODES * 2])
-    samples, new_frames, stop = counts.tolist()
-    grads = (grad_sum / samples).to(next(net.parameters()).device).split(sizes)
-    for param, grad in zip(net.parameters(), grads):
+def mean_grads(net, grads, samples, device):
+    """Set each parameter's grad, on device, to the gradient of the mean loss over all the samples,
+    replacing what was there; grads: the ranks' gradients, each times its samples, summed (flat)."""
+    mean = grads.to(device) / sum(samples)
+    for param, grad in zip(net.parameters(), mean.split([p.numel() for p in net.parameters()])):
         param.grad = grad.view_as(param)
-    stats = {name: value / samples for name, value in zip(STATS, stats_sum.tolist())}
-    episodes = [(reward, int(steps)) for reward, steps in episode_slots.view(-1, 2).tolist() if steps]  # empty: 0 steps
-    return stats, int(new_frames), episodes, bool(stop)
 
 
-def all_reduce(msg):
-    """Sum msg over every rank, in place; a rank that is gone, or silent for TIMEOUT, ends the run."""
+def mean_stats(stats_list, samples):
+    """Each loss stat averaged over the workers, weighted by their samples: that of all the samples."""
+    return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
+            for name in stats_list[0]}
+
+
+def exchange(grads, report):
+    """Sum grads over every rank, in place, and give every rank's report (samples, loss stats, frames,
+    up to MAX_EPISODES episodes, stop), in rank order. One all_reduce carries both, each report in a
+    row of its own, zeros in the others' (a collective of their own cost 3 to 8% of a step:
+    docs/RESULTS.md). A rank that is gone, or silent for TIMEOUT, ends the run."""
+    samples, stats, frames, episodes, stop = report
+    row = [samples, frames, stop, *stats.values(), *(x for episode in episodes for x in episode)]
+    rows = torch.zeros(dist.get_world_size(), 3 + len(stats) + 2 * MAX_EPISODES)
+    rows[dist.get_rank(), :len(row)] = torch.tensor(row)
+    msg = torch.cat([grads, rows.flatten()])
     try:
-        processes.unblocked(dist.all_reduce, msg)  # in a helper thread: Ctrl-C and SIGTERM still arrive
+        dist.all_reduce(msg)
     except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
-        raise ChildProcessError(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
-
-
-def rank0_options(args):
-    """Rank 0's options, on every rank: a resumed run's come from its checkpoint, which only rank 0
-    reads (ranks on other machines cannot see its folder)."""
-    options = [vars(args)]
-    dist.broadcast_object_list(options, src=0)
-    return argparse.Namespace(**options[0])
+        raise processes.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
+    grads.copy_(msg[:len(grads)])
+    reports = []
+    for samples, frames, stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
+        values, flat = rest[:len(stats)], rest[len(stats):]
+        episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
+        reports.append((int(samples), dict(zip(stats, values)), int(frames), episodes, bool(stop)))
+    return reports
 
 
 def share_weights(net, optimizer):
@@ -179,7 +162,9 @@ def share_weights(net, optimizer):
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, help="envs per rank (default: 8)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
     args.envs = args.envs or params.envs
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
@@ -188,11 +173,8 @@ if __name__ == "__main__":
         torch.cuda.set_device(device)  # where calls that take the current device land
     torch.set_num_threads(1)  # one core per rank
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    args = rank0_options(args)
-    if getattr(args, "world_size", world_size) != world_size:   # a resumed run's, from its checkpoint
-        parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
-    args.world_size = world_size
+    rank = dist.get_rank()
+    args = runs.rank0_options(parser, args)   # a resumed run's come from its checkpoint, which only rank 0 reads
     env = common.make_fast_env(args.env, args.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
@@ -202,23 +184,24 @@ if __name__ == "__main__":
     episodes, stop, frames = [], False, tracker.frames
 
     with tracker:
-        for samples, stats, new_frames, new_episodes in grads_func(params, args, env, net, rank, device):
+        for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
             episodes += new_episodes
-            msg = pack_message(net, samples, stats, new_frames, episodes[:MAX_EPISODES], stop, rank, world_size)
-            del episodes[:MAX_EPISODES]
             # every rank sums every rank's gradient and applies the same step: the weights stay equal
-            all_reduce(msg)
-            stats, new_frames, finished, stop = unpack_message(msg, net, world_size)
-            if stop:  # rank 0's word, one step after it decided, on every rank at once
+            grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
+            reports = exchange(grads, (samples, stats, new_frames, episodes[:MAX_EPISODES], stop))
+            del episodes[:MAX_EPISODES]
+            samples, stats_list, new_frames, finished, stops = zip(*reports)
+            if stops[0]:  # rank 0's word, one step after it decided, on every rank at once
                 break
-            frames += new_frames
-            stop = tracker.update(frames, finished)
-            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
-            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
+            frames += sum(new_frames)
+            stop = tracker.update(frames, sum(finished, []))
+            mean_grads(net, grads, samples, device)
+            stats = mean_stats(stats_list, samples)
+            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
+            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
             tracker.trained(loss=stats["loss_total"], **stats)
-    if not tracker.exit_code:  # else stopped by a signal or a lost rank: a helper thread may still wait in gloo
-        dist.destroy_process_group()
-    # os._exit, not sys.exit: gloo's worker thread may still be releasing the last all_reduce's
-    # tensor, which takes the GIL, and Python's finalization under it aborts the process (SIGABRT)
+    dist.destroy_process_group()
+    # os._exit, not sys.exit: gloo's threads may still be releasing the last collective's tensors,
+    # which takes the GIL, and Python's finalization under them aborts the process (SIGABRT)
     os._exit(tracker.exit_code)

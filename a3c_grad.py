@@ -1,18 +1,7 @@
 #!/usr/bin/env python3
-"""A3C on Pong, gradient parallel, in synchronous steps (A2C's update with A3C's workers): each
-worker computes a gradient on its own samples, the main process averages one from each worker
-into one optimizer step, and every worker waits for that step before its next gradient.
-
-What crosses the process boundary: each worker's gradient, written into a slot of its own in shared
-CPU memory, with a small message through its pipe (samples, loss stats, frames, finished episodes);
-back, through a second pipe per worker, the word that the optimizer step is made, which the worker
-waits for without polling, and which ends its wait if the main process dies. The main process
-averages the slots, weighted by samples, on the run's device. The weights are in shared CPU memory,
-with which the workers act and compute their loss: on the CPU the workers use the main process's
-network itself; with --cuda the main process publishes the weights there after every optimizer
-step, and each worker copies them into a network of its own on the GPU. Either way a worker takes
-its gradient at the weights of the step it waited for. No GPU tensor crosses the boundary; with
---cuda every process page-locks the shared memory it copies to or from the GPU."""
+"""A3C on Pong, gradient parallel, in synchronous steps: each worker computes a gradient on its own
+samples, the main process averages one from each worker into one optimizer step, and every worker
+waits for that step before its next gradient. What crosses, and what waits for what: docs/HOW.md."""
 import multiprocessing
 import sys
 
@@ -97,14 +86,14 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def grads_func(params, args, weights, grad_slots, step_pipe, worker_id, *, send):
-    """Worker process: play its envs with its copy of the published net; for each batch, wait for
-    the optimizer step that took its last gradient, then put the gradient at the new weights in its
-    slot and send what goes with it."""
+def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, send):
+    """Worker process: play its envs with the main process's net (its published weights on a GPU);
+    for each batch, wait for the optimizer step that took its last gradient, then put the gradient
+    at the new weights in its slot and send what goes with it."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
-    net = weights.copy_to(device)
+    net = weights.copy_to(device) if args.cuda else weights
     if args.cuda:
         processes.page_lock(grad_slots)  # its gradient is copied off the GPU into its slot every step
     env = common.make_fast_env(args.env, args.envs, threads=1)
@@ -120,8 +109,9 @@ def grads_func(params, args, weights, grad_slots, step_pipe, worker_id, *, send)
         micro_batch.clear()
         # synchronous steps: every gradient a step averages is taken at the weights the step updates
         # (with gradients taken at older weights, the value never learns at 3e-3: docs/RESULTS.md)
-        step_pipe.recv()  # the step is made; EOFError, which ends this process, if the main process is gone
-        weights.refresh(net)  # to that step's weights (GPU)
+        step_receiver.recv()  # the step is made; EOFError, which ends this process, if the main process is gone
+        if args.cuda:
+            weights.refresh(net)  # to that step's weights
         net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
         loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
@@ -132,9 +122,8 @@ def grads_func(params, args, weights, grad_slots, step_pipe, worker_id, *, send)
 
 
 def mean_grads(net, grads, samples, device):
-    """Set each parameter's grad to the mean of the workers' gradients (flat rows, each that of the
-    mean loss over a worker's samples) weighted by their samples, taken on device, replacing what was
-    there: the gradient of the mean loss over all the samples."""
+    """Set each parameter's grad, on device, to the gradient of the mean loss over all the samples,
+    replacing what was there; grads: the workers' gradients, a flat row each, of its mean loss."""
     mean = torch.tensor(samples, dtype=grads.dtype, device=device) @ grads.to(device) / sum(samples)
     for param, grad in zip(net.parameters(), mean.split([p.numel() for p in net.parameters()])):
         param.grad = grad.view_as(param)
@@ -150,43 +139,47 @@ if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
     parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
     args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
-    weights = processes.SharedWeights(net)
-    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))
-    processes.share_memory(parser, weights, grad_slots)  # where it is short, the run stops here with one line
-    if args.cuda:
-        processes.page_lock(grad_slots)  # copied to the GPU every step
-    step_pipes = [multiprocessing.Pipe(duplex=False) for _ in range(args.processes)]  # (worker's end, ours)
-    workers = {f"worker {i}": (params, args, weights, grad_slots, step_pipes[i][0], i)
+    # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
+    # with copies that the main process publishes: no CUDA tensor crosses a process boundary
+    weights = processes.SharedWeights(net) if args.cuda else net
+    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))   # a row per worker
+    processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)  # if it is short: one line, exit code 2
+    # a pipe per worker, for the word that the step is made: it waits in recv, with no polling
+    step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(args.processes)))
+    workers = {f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
                for i in range(args.processes)}
-    in_slots, frames = {}, tracker.frames   # worker id: (samples, loss stats) of the gradient in its slot
+    filled_slots, frames = {}, tracker.frames   # worker id: (samples, loss stats) of the gradient in its slot
 
     with tracker, processes.ChildProcesses(grads_func, workers) as messages:
-        for _, step_pipe in step_pipes:
-            step_pipe.send(None)  # step 0, the initial weights: every worker takes its first gradient
+        for step_sender in step_senders:
+            step_sender.send(None)  # step 0, the initial weights: every worker takes its first gradient
         for worker_id, samples, stats, new_frames, episodes in messages:
             frames += new_frames
             if tracker.update(frames, episodes):
                 break
             # the main process only applies gradients: it averages one from each worker into one step
-            in_slots[worker_id] = samples, stats
-            if len(in_slots) < args.processes:
+            filled_slots[worker_id] = samples, stats
+            if len(filled_slots) < args.processes:
                 continue
-            samples, stats_list = zip(*(in_slots[i] for i in range(args.processes)))   # in slot order
-            in_slots.clear()
+            samples, stats_list = zip(*(filled_slots[i] for i in range(args.processes)))   # in slot order
+            filled_slots.clear()
             mean_grads(net, grad_slots, samples, device)
             stats = mean_stats(stats_list, samples)
-            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max().item()
-            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad).item()
+            stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
+            stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
-            weights.publish(net)
-            for _, step_pipe in step_pipes:
-                step_pipe.send(None)  # after the weights: a worker that hears of the step finds them
+            if args.cuda:
+                weights.publish(net)
+            for step_sender in step_senders:
+                step_sender.send(None)  # after the weights: a worker that hears of the step finds them
             tracker.trained(loss=stats["loss_total"], **stats)
     sys.exit(tracker.exit_code)

@@ -45,7 +45,7 @@ RULES = [
     ("emulator", "ale_py/", None),                    # the Atari emulators, one env or the C++ vector env
     ("emulator", "gymnasium/", None),                 # wrappers, SyncVectorEnv, CartPole
     ("emulator", "common.py", {"FireAndNoopsOnReset.reset"}),
-    ("acting", None, {"select_actions"}),             # the forward pass that picks actions
+    ("acting", None, {"select_actions", "DQNAgent.__call__"}),   # the forward pass that picks actions
     ("acting", "dqn_compile.py", {"<lambda>"}),       # its agent: the compiled acting and the wait for its actions
     ("training", None, {"calc_loss_dqn", "calc_loss_a2c", "unpack_batch_dqn", "unpack_batch_a2c",
                         "train_step", "mean_grads"}),
@@ -57,9 +57,9 @@ RULES = [
     ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
     ("transport", "multiprocessing/connection.py", None),   # pipes: sending, receiving, waiting
     ("transport", "torch/distributed/", None),        # collectives
-    ("transport", "processes.py", {"unblocked", "ChildProcesses.__iter__", "SharedWeights.publish",
-                                   "SharedWeights.refresh", "SharedWeights.copy_to"}),
-    ("transport", None, {"pack_message", "unpack_message", "all_reduce"}),
+    ("transport", "processes.py", {"ChildProcesses.__iter__", "SharedWeights.publish", "SharedWeights.refresh",
+                                   "SharedWeights.copy_to"}),
+    ("transport", "a3c_dist.py", {"exchange"}),      # the all_reduce and the reports' all_gather
 ]
 START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
 HELPERS = ["multiprocessing.resource_tracker", "torch.distributed.run", "compile_worker"]   # not the job's

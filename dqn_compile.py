@@ -1,19 +1,7 @@
 #!/usr/bin/env python3
 """DQN on Pong, compiled: dqn_fast.py with the replay buffer on the device, acting and the training
 step compiled by torch.compile (on the GPU replayed as CUDA graphs), and on the GPU the emulators
-playing while the GPU trains.
-
-Per step of the N envs, what crosses between host and device: the N states to act on and the
-step's new transitions, to the device; the N actions, back (the one wait of a step). The training
-step draws its 32 x N transitions on the device; its loss is read every LOG_EVERY steps. With
---cuda on Atari, the envs play step t+1 while the script stores step t's transitions and queues
-its training step, so the actions of step t+1 are chosen before that training step: one training
-step older than dqn_fast's. Otherwise the learning is dqn_fast's: same hyperparameters, same
-samples per frame.
-
-Compiling is part of the run: acting compiles at start-up (where a machine without a working
-compiler stops, with one line), the training step at the first training step, whose time the
-summary gives apart (first_step_seconds)."""
+playing while the GPU trains. What crosses between host and device, and when: docs/HOW.md."""
 import copy
 import functools
 import sys
@@ -41,7 +29,6 @@ PONG = dict(
 CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
                 epsilon_frames=5_000)   # learns in a minute
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
-LOG_EVERY = 100               # training steps between logged losses: fewer GPU syncs, a speed-up of its own
 
 
 # ---------------------------------------------------------------- network, agent, loss
@@ -225,21 +212,13 @@ def set_capturable(optimizer, device):
         state["step"] = state["step"].to(device if device.type == "cuda" else "cpu")
 
 
-def compile_or_exit(parser, fn, mode, probe_args):
-    """fn compiled, after a first call on probe_args: compilation happens there, and on a machine
-    where it cannot (no C++ compiler, a Python that this torch cannot compile) the run stops now."""
-    try:
-        compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
-        compiled(*probe_args)
-    except Exception as e:  # whatever the compiler raised: its first line says why
-        parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
-    return compiled
-
-
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
     env = common.make_fast_env(args.env, args.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
@@ -248,7 +227,7 @@ if __name__ == "__main__":
     epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
     torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
     states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
-    act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
+    act = runs.compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
     # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
     step = compile_train_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
@@ -269,10 +248,7 @@ if __name__ == "__main__":
             if len(buffer) < params.replay_start:
                 continue
             loss = step()
-            if tracker.train_steps % LOG_EVERY == 0:  # .item() waits for the GPU: read the loss now and then
-                tracker.trained(loss=loss.item(), epsilon=epsilon.item())   # counts the training step
-            else:
-                tracker.trained()
+            tracker.trained(loss=loss, epsilon=epsilon)   # counts the training step
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
     sys.exit(tracker.exit_code)

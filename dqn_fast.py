@@ -1,10 +1,6 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster: no gradient where none is needed, and several envs stepped as one batch
-by ale-py's C++ vector env.
-
-A training step comes once a step of all N envs, so once every N frames, and samples 32 x N: the
-samples per frame stay dqn_baseline's 32. target_sync counts training steps, as in the book, so with
-N envs the target net syncs every 1,000 x N frames, and Adam takes 1/N as many steps."""
+by ale-py's C++ vector env. How a step of N envs trains: docs/HOW.md."""
 import copy
 import sys
 
@@ -69,14 +65,19 @@ def epsilon_by_frame(params, frames):
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
-@torch.no_grad()  # acting needs no graph
-def select_actions(net, states, epsilon, device):
-    """Epsilon-greedy actions for a batch of states."""
-    q_vals = net(torch.as_tensor(states, device=device))
-    actions = q_vals.argmax(dim=1).cpu().numpy()
-    explore = np.random.random(len(actions)) < epsilon
-    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
-    return actions
+class DQNAgent:
+    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers epsilon."""
+
+    def __init__(self, net, epsilon, device):
+        self.net, self.epsilon, self.device = net, epsilon, device
+
+    @torch.no_grad()  # acting needs no graph
+    def __call__(self, states):
+        q_vals = self.net(torch.as_tensor(states, device=self.device))
+        actions = q_vals.argmax(dim=1).cpu().numpy()
+        explore = np.random.random(len(actions)) < self.epsilon
+        actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
+        return actions
 
 
 def calc_loss_dqn(batch, net, tgt_net, gamma, device):
@@ -92,22 +93,24 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
     env = common.make_fast_env(args.env, args.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
-    epsilon = epsilon_by_frame(params, 0)
-    exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
+    agent = DQNAgent(net, epsilon_by_frame(params, 0), device)
+    exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
 
     with runs.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)
-            epsilon = epsilon_by_frame(params, exp_source.frames)
+            agent.epsilon = epsilon_by_frame(params, exp_source.frames)
             if tracker.update(exp_source.frames, exp_source.pop_episodes()):
                 break
             if len(buffer) < params.replay_start:
@@ -118,7 +121,7 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.trained(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            tracker.trained(loss=loss, epsilon=agent.epsilon)   # counts the training step
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
     sys.exit(tracker.exit_code)

@@ -1,15 +1,6 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster still: a child process plays, the main process trains, joined by a pipe.
-
-The play process sends each step's experience and waits until the main process has taken it, not
-until the main process has trained on it: play overlaps training and runs at most one step ahead.
-
-What crosses the process boundary: numpy experience through the pipe, and the weights in shared
-CPU memory. On the CPU the play process acts with the main process's network itself, which the
-main process's optimizer steps change while it plays. With --cuda the main process publishes the
-weights there after every training step, and the play process, after every step it sends, copies
-them into a network of its own on the GPU if they have changed. No GPU tensor crosses the
-boundary."""
+What crosses between them, and what waits for what: docs/HOW.md."""
 import copy
 import sys
 
@@ -75,14 +66,19 @@ def epsilon_by_frame(params, frames):
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
-@torch.no_grad()  # acting needs no graph
-def select_actions(net, states, epsilon, device):
-    """Epsilon-greedy actions for a batch of states."""
-    q_vals = net(torch.as_tensor(states, device=device))
-    actions = q_vals.argmax(dim=1).cpu().numpy()
-    explore = np.random.random(len(actions)) < epsilon
-    actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
-    return actions
+class DQNAgent:
+    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers epsilon."""
+
+    def __init__(self, net, epsilon, device):
+        self.net, self.epsilon, self.device = net, epsilon, device
+
+    @torch.no_grad()  # acting needs no graph
+    def __call__(self, states):
+        q_vals = self.net(torch.as_tensor(states, device=self.device))
+        actions = q_vals.argmax(dim=1).cpu().numpy()
+        explore = np.random.random(len(actions)) < self.epsilon
+        actions[explore] = np.random.randint(q_vals.shape[1], size=explore.sum())
+        return actions
 
 
 def calc_loss_dqn(batch, net, tgt_net, gamma, device):
@@ -96,28 +92,31 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 def play_func(params, args, weights, frames, *, send):
-    """Child process: play the envs with its copy of the published net, from frame count frames (a
-    resumed run's), send every step's experience."""
+    """Child process: play the envs with the main process's net (its published weights on a GPU),
+    from frame count frames (a resumed run's), send every step's experience."""
     torch.set_num_threads(1)   # the cores belong to the main process and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")
-    net = weights.copy_to(device)
+    net = weights.copy_to(device) if args.cuda else weights
     env = common.make_fast_env(args.env, args.envs)
-    epsilon = epsilon_by_frame(params, frames)
-    exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, epsilon, device), params.gamma, seed=args.seed)
+    agent = DQNAgent(net, epsilon_by_frame(params, frames), device)
+    exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
     exp_source.frames = frames
     for exps in exp_source:
-        epsilon = epsilon_by_frame(params, exp_source.frames)
+        agent.epsilon = epsilon_by_frame(params, exp_source.frames)
         # returns once the main process has taken it: play runs at most one step ahead of training
         send((exps, exp_source.frames, exp_source.pop_episodes()))
-        weights.refresh(net)  # every step that follows a publish: play lags one training step (GPU)
+        if args.cuda:
+            weights.refresh(net)  # every step that follows a publish: play lags one training step
 
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
-    args, params, device = runs.setup(parser, HYPERPARAMS)
+    args, params = runs.setup(parser, HYPERPARAMS)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
     env = common.make_fast_env(args.env, args.envs)  # here only for its spaces: the child plays its own
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
@@ -125,8 +124,10 @@ if __name__ == "__main__":
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
     tracker = runs.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before sharing
-    weights = processes.SharedWeights(net)
-    processes.share_memory(parser, weights)  # where it is short, the run stops here with one line
+    # the play process acts with this net itself on the CPU, as the optimizer steps change it; on a
+    # GPU with copies that the main process publishes: no CUDA tensor crosses a process boundary
+    weights = processes.SharedWeights(net) if args.cuda else net
+    processes.share_memory(parser, weights, page_locked=args.cuda)  # if it is short: one line, exit code 2
     children = {"play process": (params, args, weights, tracker.frames)}   # a resumed run's frames, and epsilon
 
     with tracker, processes.ChildProcesses(play_func, children) as messages:
@@ -144,8 +145,9 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.trained(loss=loss.item(), epsilon=epsilon)   # counts the training step
+            tracker.trained(loss=loss, epsilon=epsilon)   # counts the training step
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-            weights.publish(net)
+            if args.cuda:
+                weights.publish(net)
     sys.exit(tracker.exit_code)

@@ -1,37 +1,21 @@
-"""The processes of a run and what they share: a call that Ctrl-C and SIGTERM do not wait for,
-child processes started with spawn and the messages they send, shared memory and its check, and the
-weights that the main process publishes for its children."""
+"""The processes of a run and what they share: child processes started with spawn and the messages
+they send, shared memory and its check, and the weights that the main process publishes for its
+children on a GPU."""
 import copy
 import math
 import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
 import time
 import weakref
 
 import torch
 
 
-# ---------------------------------------------------------------- a call that signals do not wait for
-def unblocked(func, *args):
-    """func(*args), called in a helper thread and waited for here: a call blocked in C++ (gloo, say)
-    would hold back Ctrl-C and SIGTERM, which Python delivers to the main thread, until it returned.
-    What it raises is raised here."""
-    outcome = {}
-
-    def call():
-        try:
-            outcome["result"] = func(*args)
-        except Exception as error:   # handed to the caller, who knows what it means
-            outcome["error"] = error
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("result")
+class ProcessLost(Exception):
+    """A process of the run is gone: a child, or under torchrun another rank. The tracker ends the
+    run with this error's one line and exit code 1."""
 
 
 # ---------------------------------------------------------------- child processes
@@ -39,7 +23,7 @@ class ChildProcesses:
     """Children started with spawn, each running target(*args, send=send) with a pipe of its own to this
     process. send(message) returns once this process has taken the message: a child runs at most one
     message ahead of its reader on every OS, whatever the pipe's buffer holds. Iterating yields what
-    the children send, and raises ChildProcessError as soon as a child is dead, however it died: a
+    the children send, and raises ProcessLost as soon as a child is dead, however it died: a
     child killed mid-message gives EOF on its own pipe, never a reader that waits forever.
     Leaving the with-block stops them all: none is left behind."""
 
@@ -88,7 +72,7 @@ class ChildProcesses:
         proc.join(timeout=5)
         code = proc.exitcode
         signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
-        raise ChildProcessError(f"{proc.name} exited with code {code}{signame}")
+        raise ProcessLost(f"{proc.name} exited with code {code}{signame}")
 
     def __exit__(self, *exc):
         """Terminate the children and wait for them; kill those that do not end."""
@@ -118,20 +102,33 @@ def _child_main(target, args, pipe):
 
 
 # ---------------------------------------------------------------- shared memory
-def share_memory(parser, *shared):
-    """Move each tensor or SharedWeights into shared memory, before any child starts. Where there is
-    not room for them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says
-    what it needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm
-    first; on every OS torch's own failure is caught (macOS and Windows share through files, with
-    no /dev/shm to count)."""
-    needed, free = sum(item.nbytes for item in shared), shm_free()
+def share_memory(parser, *shared, page_locked=False):
+    """Move each tensor, network or SharedWeights into shared memory, before any child starts, and
+    with page_locked (--cuda) page-lock this process's mapping of it. Where there is not room for
+    them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says what it
+    needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm first; on
+    every OS torch's own failure is caught (macOS and Windows share through files, with no /dev/shm
+    to count)."""
+    tensors = [tensor for item in shared for tensor in _tensors(item)]
+    needed, free = sum(tensor.nbytes for tensor in tensors), shm_free()
     if free is not None and needed > free:
         parser.error(shm_short(needed, free))
     try:
-        for item in shared:
-            item.share_memory_()
+        for tensor in tensors:
+            tensor.share_memory_()
     except (RuntimeError, OSError) as error:   # torch's word for no room, or no shared memory at all
         parser.error(shm_short(needed, free, error))
+    for tensor in tensors if page_locked else []:
+        page_lock(tensor)
+
+
+def _tensors(item):
+    """The tensors that sharing a tensor, a network or SharedWeights moves."""
+    if isinstance(item, torch.Tensor):
+        return [item]
+    if isinstance(item, torch.nn.Module):
+        return [*item.parameters(), *item.buffers()]
+    return [item.flat]
 
 
 def shm_free():
@@ -169,14 +166,10 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The main process's weights where its children read them, in shared CPU memory (share_memory
-    puts them there). On the CPU the main process's network itself is shared, and publish and
-    refresh do nothing: the children act on it while the main process's optimizer steps write it,
-    because copying cost 4 to 9% of the frames per second on 2 cores (docs/RESULTS.md). On a GPU (and
-    on the CPU with copies=True, as the tests do) the main process publishes its weights into one
-    flat shared tensor after each optimizer step, and each child keeps a copy of its own on the run's device, refreshed
-    from there: no GPU tensor crosses a process boundary, so this works where CUDA IPC does not
-    (Windows).
+    """The main process's weights where its children read them on a GPU, where no CUDA tensor may cross
+    a process boundary: one flat tensor in shared CPU memory (share_memory puts it there), which the
+    main process publishes its weights into after each optimizer step, and from which each child
+    refreshes a network of its own on its device. This works where CUDA IPC does not (Windows).
 
     A version orders the copies, as a seqlock does: a publish makes it odd, writes, and makes it
     even. A child copies the weights into a staging buffer between two reads of the version, and
@@ -184,36 +177,14 @@ class SharedWeights:
     copy. The version is a multiprocessing.Value, whose lock is a full memory barrier on every OS
     (a plain shared integer is not ordered on ARM)."""
 
-    def __init__(self, net, copies=None):
-        self.device = next(net.parameters()).device
-        self.copies = self.device.type != "cpu" if copies is None else copies
-        if self.copies:   # the children's template: the architecture without its values
-            self.net = copy.deepcopy(net).to("meta")
-            self.flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach().cpu()
-        else:
-            self.net = net
-        self.version = None     # made by share_memory_(): 0, for the weights copied above
+    def __init__(self, net):
+        self.net = copy.deepcopy(net).to("meta")   # the children's template: the architecture without its values
+        self.flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach().cpu()
+        self.version = torch.multiprocessing.get_context("spawn").Value("q", 0)   # 0: the weights copied above
         self.installed = None   # the version that this process's copy holds
-
-    @property
-    def nbytes(self):
-        """The bytes that share_memory_() puts in shared memory."""
-        return self.flat.nbytes if self.copies else sum(p.nbytes for p in self.net.parameters())
-
-    def share_memory_(self):
-        """Move the weights into shared memory; common.share_memory calls it before any child starts."""
-        if not self.copies:
-            self.net.share_memory()
-            return
-        self.flat.share_memory_()
-        self.version = torch.multiprocessing.get_context("spawn").Value("q", 0)
-        if self.device.type == "cuda":
-            page_lock(self.flat)
 
     def publish(self, net):
         """Copy the main process's weights into shared memory (waiting for the copy off the GPU)."""
-        if not self.copies:
-            return
         with torch.no_grad():
             flat = torch.nn.utils.parameters_to_vector(net.parameters())
         self.version.value += 1   # odd: a publish is under way
@@ -221,10 +192,7 @@ class SharedWeights:
         self.version.value += 1   # even: the weights are whole
 
     def copy_to(self, device):
-        """A child's network on device: its own copy of the published weights, or, on the CPU
-        without copies, the main process's network itself."""
-        if not self.copies:
-            return self.net
+        """A child's network on device: its own copy of the published weights."""
         net = copy.deepcopy(self.net).to_empty(device=device)
         self.staging, self.installed = torch.empty_like(self.flat, device=device), None
         if self.staging.is_cuda:
@@ -238,8 +206,6 @@ class SharedWeights:
         it holds; True once it holds them. A copy that a publish overlapped is taken again, for up
         to a second; after that (a main process that died mid-publish leaves the version odd) net keeps
         the weights it has."""
-        if not self.copies:
-            return True
         for _ in range(1000):
             version = self.version.value
             if version == self.installed:

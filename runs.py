@@ -1,6 +1,7 @@
 """A run of a script, from its command line to its folder in runs/: the options every script takes
-and their checks, seeding, the stop that SIGINT and SIGTERM ask for, the reward tracker (TensorBoard,
-best.pt, the JSON summary, the exit code) and the checkpoint that --resume goes on from."""
+and their checks (a working compiler among them), the stop that SIGINT and SIGTERM ask for, the
+reward tracker (TensorBoard, best.pt, the JSON summary, the exit code) and the checkpoint that
+--resume goes on from."""
 import argparse
 import collections
 import contextlib
@@ -13,12 +14,15 @@ import types
 
 import numpy as np
 import torch
+import torch.distributed
 from torch.utils.tensorboard import SummaryWriter
 
 import common
+import processes
 
 CHECKPOINT = "checkpoint.pt"   # the whole run, in its folder: what --resume goes on from
 SEGMENT_SEED = 10_000          # a resumed run's k-th segment seeds its envs and children with seed + k * this
+LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for the GPU
 stop_signal = None             # SIGINT or SIGTERM, once one has asked the run to stop
 
 
@@ -158,16 +162,19 @@ class RewardTracker:
                    os.path.join(self.log_dir, "best.pt"))
 
     def trained(self, **scalars):
-        """Count a training step, just taken; log training scalars as train/<name>; a loss also feeds train/avg_loss."""
+        """Count a training step, just taken. At the first and every LOG_EVERY-th, log its scalars (floats
+        or one-element tensors, read then) as train/<name>; a loss also feeds train/avg_loss."""
         self.train_steps += 1
         if self.train_start is None:  # the first training step (dqn_compile's compile) is timed apart
             now = time.perf_counter()
             self.first_step_seconds = now - self.updated
             self.train_start = (self.frames, now)
+        if (self.train_steps - 1) % LOG_EVERY:
+            return
         for name, value in scalars.items():
-            self.writer.add_scalar(f"train/{name}", value, self.frames)
+            self.writer.add_scalar(f"train/{name}", float(value), self.frames)
         if "loss" in scalars:
-            self.losses.append(scalars["loss"])
+            self.losses.append(float(scalars["loss"]))
             self.writer.add_scalar("train/avg_loss", np.mean(self.losses), self.frames)
 
     def train_totals(self):
@@ -224,12 +231,12 @@ class RewardTracker:
 
     def __exit__(self, exc_type, exc, tb):
         """Every stop ends here, at an iteration boundary: solved, --max-frames, Ctrl-C and SIGTERM (exit
-        codes 130 and 143), a dead child process (1, with one line). The checkpoint, best.pt and the
+        codes 130 and 143), a lost process (1, with one line). The checkpoint, best.pt and the
         summary are written with further signals ignored (torchrun sends a second SIGTERM)."""
-        if exc_type is ChildProcessError and stop_signal is None:
+        if exc_type is processes.ProcessLost and stop_signal is None:
             print(f"{self.args.script}.py: error: {exc}", file=sys.stderr, flush=True)
             self.exit_code = 1
-        elif exc_type is not None and exc_type is not ChildProcessError:
+        elif exc_type is not None and exc_type is not processes.ProcessLost:
             return False   # a bug: no checkpoint of a state it may have left half-made
         if stop_signal is not None:   # a child that the same signal ended is part of this stop
             self.exit_code = 128 + stop_signal
@@ -248,7 +255,7 @@ class RewardTracker:
 class SilentTracker:
     """RewardTracker's stand-in on a torchrun rank other than 0: it logs nothing and never decides to
     stop; rank 0's word stops every rank at the same step, a stop asked by a signal included. A lost
-    rank (ChildProcessError) ends its process with one line, at once, with os._exit, because a
+    rank (ProcessLost) ends its process with one line, at once, with os._exit, because a
     helper thread may still wait in gloo, where a clean teardown would abort."""
 
     frames = 0   # rank 0 counts them
@@ -270,7 +277,7 @@ class SilentTracker:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is ChildProcessError:
+        if exc_type is processes.ProcessLost:
             if stop_signal is None:
                 print(f"{self.script}.py: error: rank {self.rank} {exc}", file=sys.stderr, flush=True)
             os._exit(self.exit_code or 1)
@@ -333,8 +340,8 @@ def bf16_native(device):
 
 def setup(parser, hyperparams):
     """Parse and check the command line (with --resume, the checkpoint first: its options, checked
-    against those given), seed the generators; returns args, the env's hyperparameters (from the
-    script's table, as attributes) and the device."""
+    against those given) and make SIGINT and SIGTERM ask the run to stop; returns args and the env's
+    hyperparameters (from the script's table, as attributes)."""
     args = parser.parse_args()
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     if args.resume and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reads it, and sends it on
@@ -349,10 +356,31 @@ def setup(parser, hyperparams):
     stop_signal = None
     for signum in (signal.SIGINT, signal.SIGTERM):   # a kill stops as cleanly as Ctrl-C
         signal.signal(signum, request_stop)
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    params = types.SimpleNamespace(**hyperparams[args.env])
-    return args, params, device
+    return args, types.SimpleNamespace(**hyperparams[args.env])
+
+
+def compile_or_exit(parser, fn, mode, probe_args):
+    """torch.compile(fn, mode=mode), after a first call on probe_args: compilation happens there, and
+    on a machine where it cannot (no C++ compiler, a Python that this torch cannot compile) the run
+    stops now, with one line."""
+    try:
+        compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
+        compiled(*probe_args)
+    except Exception as e:  # whatever the compiler raised: its first line says why
+        parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
+    return compiled
+
+
+def rank0_options(parser, args):
+    """Under torchrun, rank 0's options on every rank: a resumed run's come from its checkpoint, which
+    only rank 0 reads (ranks on other machines cannot see its folder), and must have as many ranks."""
+    options = [vars(args)]
+    torch.distributed.broadcast_object_list(options, src=0)
+    args, world_size = argparse.Namespace(**options[0]), torch.distributed.get_world_size()
+    if getattr(args, "world_size", world_size) != world_size:
+        parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
+    args.world_size = world_size
+    return args
 
 
 def read_checkpoint(parser, folder, script):

@@ -23,9 +23,9 @@ STACKS = [   # (process, stack from the outermost frame in, category)
     ("dqn_baseline main", LOOP + [("FireAndNoopsOnReset.reset", "common.py"),
                                   ("AtariPreprocessing.reset", "gymnasium/wrappers/atari_preprocessing.py")],
      "emulator"),
-    ("DQN main", LOOP + [("<lambda>", "dqn_fast.py"), ("select_actions", "dqn_fast.py"),
+    ("DQN main", LOOP + [("decorate_context", "torch/utils/_contextlib.py"), ("DQNAgent.__call__", "dqn_fast.py"),
                          ("Module._call_impl", "torch/nn/modules/module.py")], "acting"),
-    ("DQN main", LOOP + [("<lambda>", "dqn_fast.py"), ("decorate_context", "torch/utils/_contextlib.py"),
+    ("DQN main", LOOP + [("decorate_context", "torch/utils/_contextlib.py"),
                          ("no_grad.__enter__", "torch/autograd/grad_mode.py")], "other"),   # not training
     ("DQN main", [("<module>", "dqn_fast.py"), ("calc_loss_dqn", "dqn_fast.py"),
                   ("unpack_batch_dqn", "common.py"), ("Tensor.to", "torch/_tensor.py")], "training"),
@@ -50,9 +50,9 @@ STACKS = [   # (process, stack from the outermost frame in, category)
      "transport"),
     ("a3c_data worker", [("data_func", "a3c_data.py"), ("unpack_batch_a2c", "common.py"),
                          ("Module._call_impl", "torch/nn/modules/module.py")], "training"),
-    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("all_reduce", "a3c_dist.py"), ("unblocked", "processes.py"),
-                       ("Thread.join", "threading.py")], "transport"),   # the main thread joining the helper
-    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("pack_message", "a3c_dist.py")], "transport"),
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("exchange", "a3c_dist.py"),
+                       ("all_gather_object", "torch/distributed/distributed_c10d.py")], "transport"),
+    ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("exchange", "a3c_dist.py")], "transport"),
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("clip_grad_norm_", "torch/nn/utils/clip_grad.py")], "training"),
 ]
 
@@ -77,7 +77,7 @@ def test_raw_output_is_read_per_process_main_thread_only_without_helpers_or_impo
         raw_line([main], 10, [("<module>", "dqn_mp.py"), ("_find_and_load", "<frozen importlib._bootstrap>")], 99),
         raw_line([main], 13, [("SummaryWriter.flush", "tensorboard/writer.py")], 50),   # not the main thread
         raw_line([main, tracker], 11, [("main", "multiprocessing/resource_tracker.py")], 70),
-        raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("select_actions", "dqn_mp.py")], 20),
+        raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("DQNAgent.__call__", "dqn_mp.py")], 20),
         raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("AtariVectorEnv.step", "ale_py/vector_env.py")], 5),
     ]
     labelled = bench.label_processes(bench.read_raw(lines), "play process")
@@ -89,7 +89,7 @@ def test_torchrun_ranks_are_the_processes_and_the_agent_is_left_out():
     agent = (20, "")   # py-spy read the agent's command line as empty in one run of bench.py
     lines = [raw_line([agent], 20, [("main", "torch/distributed/run.py")], 40)]
     lines += [raw_line([agent, (pid, "python -u a3c_dist.py")], pid, [("<module>", "a3c_dist.py"),
-                                                                       ("all_reduce", "a3c_dist.py")], 7)
+                                                                       ("exchange", "a3c_dist.py")], 7)
               for pid in (22, 21)]
     assert bench.label_processes(bench.read_raw(lines), "rank") == {"rank 0": {"transport": 7},
                                                                     "rank 1": {"transport": 7}}

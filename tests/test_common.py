@@ -456,8 +456,8 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     monkeypatch.setattr(sys, "argv", ["dqn_fast.py", "--cuda", "--bf16"])
     monkeypatch.delenv("RANK", raising=False)
-    _, _, device = runs.setup(runs.argument_parser("test"), {"pong": {}})
-    assert device.type == "cuda"
+    args, _ = runs.setup(runs.argument_parser("test"), {"pong": {}})
+    assert args.cuda
     assert our_lines(capsys.readouterr().err) == [
         "dqn_fast.py: warning: --bf16 is emulated on this GPU: it may run slower than fp32"]
 
@@ -585,8 +585,24 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
         assert torch.equal(torch.load(best_path)["state_dict"]["weight"], net.weight)
 
 
+def test_tracker_logs_the_first_and_every_log_every_th_training_step_reading_tensors_then(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+        for step in range(1, 2 * runs.LOG_EVERY + 2):
+            tracker.update(10 * step, [])
+            tracker.trained(loss=torch.tensor(float(step)), epsilon=0.5)
+    events = EventAccumulator(str(tmp_path / tracker.log_dir))
+    events.Reload()
+    logged = [1, runs.LOG_EVERY + 1, 2 * runs.LOG_EVERY + 1]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10 * s, s) for s in logged]
+    assert [e.value for e in events.Scalars("train/avg_loss")] == [1, (2 + runs.LOG_EVERY) / 2, sum(logged) / 3]
+    assert [e.value for e in events.Scalars("train/epsilon")] == [0.5] * 3
+    assert tracker.train_steps == 2 * runs.LOG_EVERY + 1
+
+
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs, "LOG_EVERY", 1)
     net = nn.Linear(2, 1)
     with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
         tracker.update(100, [(-21.0, 800)])
@@ -622,8 +638,7 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
 
 # ---------------------------------------------------------------- shared memory
 PARSER = runs.ArgumentParser("test", prog="test")
-COPIES = [("cpu", False), ("cpu", True),
-          pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+COPIES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(fake_shm_free, capsys):
@@ -648,13 +663,14 @@ def test_share_memory_takes_what_just_fits_with_no_margin(fake_shm_free):
 
 def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
     # where no room is counted first (macOS, Windows), or the count was wrong, torch's failure is caught
+    weights = processes.SharedWeights(nn.Linear(1000, 1000))
     monkeypatch.setattr(os, "statvfs", lambda path: (_ for _ in ()).throw(OSError("no /dev/shm")))
     def no_room(self):
         raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
                            "No space left on device (28)")
     monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
     with pytest.raises(SystemExit) as exit_info:
-        processes.share_memory(PARSER, processes.SharedWeights(nn.Linear(1000, 1000), copies=True))
+        processes.share_memory(PARSER, weights)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == ("test: error: shared memory is short: this run shares 4.0 MB and the system could not give it "
@@ -662,11 +678,38 @@ def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
                    "in Docker, give the container more with docker run --shm-size=8m\n")
 
 
+def report_net(net, *, send):
+    """Child process: send the values of the network it was given, again and again."""
+    while True:
+        send([param.detach().clone() for param in net.parameters()])
+        time.sleep(0.05)
+
+
+def test_a_shared_network_is_the_one_a_child_acts_with_and_counts_against_dev_shm(fake_shm_free, capsys):
+    # the CPU path of dqn_mp and the A3C scripts: the child gets the main process's net itself
+    fake_shm_free(3 * 2 ** 20)
+    with pytest.raises(SystemExit):
+        processes.share_memory(PARSER, nn.Linear(1000, 1000))     # 4,004,000 bytes of parameters
+    assert "this run shares 4.0 MB and /dev/shm has 3.1 MB free" in capsys.readouterr().err
+    learner = nn.Linear(3, 2)
+    processes.share_memory(PARSER, learner)
+    assert all(param.is_shared() for param in learner.parameters())
+    with processes.ChildProcesses(report_net, {"child": (learner,)}) as reports:
+        for count, params in enumerate(reports):
+            if count == 0:
+                assert all(torch.equal(value, param) for value, param in zip(params, learner.parameters()))
+                with torch.no_grad():
+                    learner.weight += 1                  # an optimizer step, in place: no publish
+            elif torch.equal(params[0], learner.weight):
+                break
+            assert count < 200
+
+
 # ---------------------------------------------------------------- SharedWeights
-def shared_weights(net, copies=None):
-    """SharedWeights of net, in shared memory."""
-    weights = processes.SharedWeights(net, copies)
-    processes.share_memory(PARSER, weights)
+def shared_weights(net):
+    """SharedWeights of net, in shared memory, page-locked where they are copied to a GPU."""
+    weights = processes.SharedWeights(net)
+    processes.share_memory(PARSER, weights, page_locked=next(net.parameters()).is_cuda)
     return weights
 
 
@@ -683,15 +726,14 @@ def test_cuda_copies_reach_each_page_locked_tensor_also_one_at_a_freed_ones_addr
         del tensor
 
 
-@pytest.mark.parametrize("device, copies", COPIES)
-def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device, copies):
+@pytest.mark.parametrize("device", COPIES)
+def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device):
     learner = nn.Linear(3, 2).to(device)
-    weights = shared_weights(learner, copies)
+    weights = shared_weights(learner)
     child_net = weights.copy_to(device)
     assert all(p.device.type == device for p in child_net.parameters())
-    # on the CPU the child shares the learner's network, unless it copies; on a GPU it copies
-    assert (child_net is learner) == (device == "cpu" and not copies)
-    assert weights.nbytes == 4 * (3 * 2 + 2) and (weights.flat if weights.copies else learner.weight).is_shared()
+    assert child_net is not learner and weights.flat.nbytes == 4 * (3 * 2 + 2) and weights.flat.is_shared()
+    assert weights.flat.is_pinned() == (device == "cuda" and sys.platform == "linux")
     with torch.no_grad():
         learner.weight += 1                          # an optimizer step
     weights.publish(learner)
@@ -702,7 +744,7 @@ def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_devi
 
 def test_refresh_copies_only_when_a_publish_moved_the_version():
     learner = nn.Linear(3, 2)
-    weights = shared_weights(learner, copies=True)
+    weights = shared_weights(learner)
     child_net = weights.copy_to("cpu")
     with torch.no_grad():
         child_net.weight.zero_()                     # a mark that a copy would overwrite
@@ -714,7 +756,7 @@ def test_refresh_copies_only_when_a_publish_moved_the_version():
 
 def test_refresh_gives_up_after_a_second_on_a_publish_that_never_ends_and_keeps_the_weights():
     learner = nn.Linear(3, 2)
-    weights = shared_weights(learner, copies=True)
+    weights = shared_weights(learner)
     child_net = weights.copy_to("cpu")
     before = child_net.weight.detach().clone()
     weights.version.value += 1                      # a learner that died in the middle of a publish
@@ -740,7 +782,7 @@ def test_a_child_never_installs_a_torn_copy_of_weights_published_meanwhile():
     with torch.no_grad():
         for param in learner.parameters():
             param.zero_()
-    weights = shared_weights(learner, copies=True)
+    weights = shared_weights(learner)
     child_net = weights.copy_to("cpu")
     installed, torn = [], False
     with processes.ChildProcesses(publish_numbers, {"writer": (weights,)}):
@@ -767,10 +809,10 @@ def report_copy(weights, device, *, send):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("device, copies", COPIES)
-def test_child_process_copy_follows_what_the_learner_publishes(device, copies):
+@pytest.mark.parametrize("device", COPIES)
+def test_child_process_copy_follows_what_the_learner_publishes(device):
     learner = nn.Linear(3, 2).to(device)
-    weights = shared_weights(learner, copies)
+    weights = shared_weights(learner)
     with processes.ChildProcesses(report_copy, {"child": (weights, device)}) as reports:
         for count, params in enumerate(reports):
             assert {device_type for device_type, _ in params} == {device}
@@ -816,7 +858,7 @@ def crash(*, send):
 
 def test_a_crashed_child_ends_the_iteration_with_its_name_and_exit_code():
     received = []
-    with pytest.raises(ChildProcessError, match="^child exited with code 1$"):
+    with pytest.raises(processes.ProcessLost, match="^child exited with code 1$"):
         with processes.ChildProcesses(crash, {"child": ()}) as messages:
             for message in messages:
                 received.append(message)

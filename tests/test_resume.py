@@ -77,6 +77,7 @@ def stop_handler():
 # ---------------------------------------------------------------- what a checkpoint holds
 def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_generators(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs, "LOG_EVERY", 1)   # every loss logged, and kept for the mean
     net, tgt_net, optimizer = trained(seed=0)
     buffer = common.ReplayBuffer(50, SPACE, seed=0)
     for exp in transitions(80, seed=0):    # the ring wraps: position 30 of 50

@@ -20,6 +20,8 @@ import dqn_baseline  # noqa: E402
 import dqn_compile  # noqa: E402
 import dqn_fast  # noqa: E402
 import dqn_mp  # noqa: E402
+import processes  # noqa: E402
+import runs  # noqa: E402
 
 DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp, dqn_compile]
 GAMMA = 0.5
@@ -31,7 +33,7 @@ A3C_MODULES = [a3c_data, a3c_grad]
 # ---------------------------------------------------------------- the copies between scripts
 @pytest.mark.parametrize("modules, names", [
     (DQN_MODULES, ["PONG", "CARTPOLE", "HYPERPARAMS", "DQN", "epsilon_by_frame"]),
-    ([dqn_fast, dqn_mp], ["select_actions"]),
+    ([dqn_fast, dqn_mp], ["DQNAgent"]),
     ([dqn_fast, dqn_mp, dqn_compile], ["calc_loss_dqn"]),
     (A3C_MODULES, ["A2C", "select_actions", "calc_loss_a2c"]),
 ])
@@ -123,17 +125,6 @@ def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_
         torch.testing.assert_close(got, expected.grad)
     # every stat is a mean over samples: weighted by samples, the workers' give that of all the samples
     assert a3c_grad.mean_stats(stats_list, [5, 3]) == pytest.approx({k: v.item() for k, v in stats.items()})
-
-
-def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monkeypatch):
-    def lost(tensor):   # what gloo raises when a peer's connection resets
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: Connection reset by peer\n"
-                           "Exception raised from recvBytes (most recent call first):\nframe #0: c10::Error::Error")
-    monkeypatch.setattr(a3c_dist.dist, "all_reduce", lost)
-    with pytest.raises(ChildProcessError) as error:
-        a3c_dist.all_reduce(torch.zeros(3))
-    assert str(error.value) == "lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: " \
-                               "Connection reset by peer"
 
 
 # ---------------------------------------------------------------- losses
@@ -264,7 +255,7 @@ def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_re
     epsilon = torch.tensor(1.0, device=device)
     torch._dynamo.mark_static_address(epsilon)
     with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch(fallback_random=True):
-        act = dqn_compile.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
+        act = runs.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
         compiled_step = dqn_compile.compile_train_step(buffers[1], nets[1], tgt_nets[1], optimizers[1], 96, GAMMA)
         for step in range(1, 9):
             torch.manual_seed(step)
@@ -394,30 +385,53 @@ def test_a3c_dist_shares_a3c_grad_code_and_hyperparameters():
         assert a3c_dist.HYPERPARAMS[env] == {k: v for k, v in a3c_grad.HYPERPARAMS[env].items() if k != "processes"}
 
 
-def test_a3c_dist_sum_of_the_ranks_messages_gives_the_mean_weighted_by_samples_and_every_episode():
+def test_a3c_dist_the_ranks_gradients_summed_times_their_samples_give_the_mean_weighted_by_samples():
     net = torch.nn.Linear(2, 1)                        # parameters: weight [1, 2], bias [1]
-    sent = [([[1.0, 2.0]], [3.0], 1, 1.0, 8, [(21.0, 900)]),                   # rank 0: 1 sample
-            ([[11.0, 22.0]], [33.0], 3, 5.0, 16, [(-3.5, 12), (0.0, 40)])]      # rank 1: 3 samples
-    msgs = []
-    for rank, (weight_grad, bias_grad, samples, stat, frames, episodes) in enumerate(sent):
-        net.weight.grad, net.bias.grad = torch.tensor(weight_grad), torch.tensor(bias_grad)
-        stats = dict.fromkeys(a3c_dist.STATS, stat)
-        msgs.append(a3c_dist.pack_message(net, samples, stats, frames, episodes, False, rank, 2))
+    sent = [([1.0, 2.0, 3.0], 1), ([11.0, 22.0, 33.0], 3)]   # each rank's flat gradient, and its samples
+    summed = sum(torch.tensor(grad) * samples for grad, samples in sent)   # what all_reduce leaves on every rank
     net.weight.grad = torch.full((1, 2), 100.0)     # a stale gradient must be replaced, not added to
-    stats, frames, episodes, stop = a3c_dist.unpack_message(msgs[0] + msgs[1], net, 2)   # all_reduce's sum
+    a3c_dist.mean_grads(net, summed, [1, 3], "cpu")
     assert net.weight.grad.tolist() == [[8.5, 17.0]]             # (1 * 1 + 3 * 11) / 4, (2 + 66) / 4
     assert net.bias.grad.tolist() == [25.5]                      # (3 + 99) / 4
-    assert stats == dict.fromkeys(a3c_dist.STATS, 4.0)            # (1 + 3 * 5) / 4
-    # an episode that scored 0 is kept: only padding has 0 steps
-    assert frames == 24 and episodes == [(21.0, 900), (-3.5, 12), (0.0, 40)] and stop is False
+    assert a3c_dist.mean_stats([{"loss": 1.0}, {"loss": 5.0}], [1, 3]) == {"loss": 4.0}   # (1 + 3 * 5) / 4
 
 
-def test_a3c_dist_rank_0s_word_to_stop_reaches_every_rank():
-    net = torch.nn.Linear(2, 1)
-    net.weight.grad, net.bias.grad = torch.zeros(1, 2), torch.zeros(1)
-    stats = dict.fromkeys(a3c_dist.STATS, 0.0)
-    msgs = [a3c_dist.pack_message(net, 32, stats, 32, [], rank == 0, rank, 3) for rank in range(3)]
-    assert a3c_dist.unpack_message(sum(msgs), net, 3)[3] is True
+def exchange_as_rank(store, rank, *, send):
+    """Child process: rank `rank` of 2 exchanges its gradient and report, sends what it has then."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    grads = torch.tensor([1.0, 2.0]) * (rank + 1)
+    episodes = [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30 if rank else []
+    reports = a3c_dist.exchange(grads, (rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0))
+    send((rank, grads.tolist(), reports))
+    while True:
+        time.sleep(1)
+
+
+def test_a3c_dist_exchange_sums_gradients_on_every_rank_and_gives_every_report_in_rank_order(tmp_path):
+    children = {f"rank {rank}": (str(tmp_path / "store"), rank) for rank in range(2)}
+    got = {}
+    with processes.ChildProcesses(exchange_as_rank, children) as messages:
+        for rank, grads, reports in messages:
+            got[rank] = grads, reports
+            if len(got) == 2:
+                break
+    # every report whole, MAX_EPISODES episodes (one that scored 0 too), and rank 0's word to stop
+    expected = [(1, {"loss": 0.25, "values": -1.0}, 0, [], True),
+                (2, {"loss": 1.25, "values": -1.0}, 10, [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30, False)]
+    assert a3c_dist.MAX_EPISODES == 32 and got == {rank: ([3.0, 6.0], expected) for rank in range(2)}
+
+
+def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monkeypatch):
+    def lost(tensor):   # what gloo raises when a peer's connection resets
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: Connection reset by peer\n"
+                           "Exception raised from recvBytes (most recent call first):\nframe #0: c10::Error::Error")
+    monkeypatch.setattr(a3c_dist.dist, "all_reduce", lost)
+    monkeypatch.setattr(a3c_dist.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
+    with pytest.raises(processes.ProcessLost) as error:
+        a3c_dist.exchange(torch.zeros(3), (32, {"loss": 0.5}, 32, [], False))
+    assert str(error.value) == "lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: " \
+                               "Connection reset by peer"
 
 
 # ---------------------------------------------------------------- bf16 mixed precision

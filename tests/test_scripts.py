@@ -104,16 +104,19 @@ common.ExperienceSourceFirstLast.__iter__ = counting_iter
 runs.RewardTracker.update, torch.optim.Adam.step = counting_update, slow_step
 atexit.register(write_notes)
 """
-# each child writes the device of its copy of the network to $RL_TEST_DEVICES/<its name>
+# each child writes the device that its network's first convolution runs on to $RL_TEST_DEVICES/<its name>
 DEVICES_HOOK = """
 import multiprocessing, os
-import processes
-_copy_to = processes.SharedWeights.copy_to
-def recording_copy_to(self, device):
-    with open(os.path.join(os.environ["RL_TEST_DEVICES"], multiprocessing.current_process().name), "w") as f:
-        f.write(str(device))
-    return _copy_to(self, device)
-processes.SharedWeights.copy_to = recording_copy_to
+import torch
+_forward, _seen = torch.nn.Conv2d.forward, set()
+def recording_forward(self, x):
+    name = multiprocessing.current_process().name
+    if name != "MainProcess" and name not in _seen:
+        _seen.add(name)
+        with open(os.path.join(os.environ["RL_TEST_DEVICES"], name), "w") as f:
+            f.write(self.weight.device.type)
+    return _forward(self, x)
+torch.nn.Conv2d.forward = recording_forward
 """
 # the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
 # every other Python process of the run (the play process, multiprocessing's resource tracker)
@@ -439,7 +442,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     assert os.path.exists(folder / "best.pt")
     checkpoint = torch.load(folder / runs.CHECKPOINT, mmap=True, weights_only=True)
     assert checkpoint["frames"] == result["frames"] and checkpoint["episodes"] == result["episodes"]
-    # every child runs its own copy of the network on the run's device
+    # every child acts with a network on the run's device
     children = {path.name: path.read_text() for path in (tmp_path / "devices").iterdir()}
     assert sorted(children) == CHILDREN[script] and set(children.values()) <= {device}
 
@@ -542,7 +545,8 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     env = dict(hooked_env(tmp_path, SAMPLES_HOOK), RL_TEST_SAMPLES=str(tmp_path / "samples"))
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
-    result, steps = summary(out), len(events(tmp_path)["train/loss"])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    result, steps = summary(out), torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["train_steps"]
     samples = int((tmp_path / "samples").read_text())
     assert samples == 32 * envs * steps           # every training step draws 32 * envs samples
     # and comes with one step of all envs: envs frames, less the slots that only reset an env
@@ -559,9 +563,11 @@ def test_a_seed_reproduces_a_single_process_run(script, tmp_path):
         code, _, err = run(script, "--env", "cartpole", "--seed", str(seed), "--max-frames", "3000",
                            cwd=tmp_path / folder)
         assert code == 0, err
-        losses.append(events(tmp_path / folder)["train/loss"])
-    assert len(losses[0]) > 100
-    assert losses[0] == losses[1] and losses[0] != losses[2]
+        (run_dir,) = (tmp_path / folder / "runs").iterdir()
+        weights = torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["state"]["net"]
+        losses.append((events(tmp_path / folder)["train/loss"], [w.tolist() for w in weights.values()]))
+    assert len(losses[0][0]) > 5   # the loss of every LOG_EVERY-th step; the weights after all of them
+    assert losses[0] == losses[1] and losses[0][0] != losses[2][0] and losses[0][1] != losses[2][1]
 
 
 @slow
