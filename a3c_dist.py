@@ -119,7 +119,7 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the workers, weighted by their samples: that of all the samples."""
+    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all the samples."""
     return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
             for name in stats_list[0]}
 
@@ -140,10 +140,10 @@ def exchange(grads, report):
         raise processes.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
     grads.copy_(msg[:len(grads)])
     reports = []
-    for samples, frames, stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
+    for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
         values, flat = rest[:len(stats)], rest[len(stats):]
-        episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
-        reports.append((int(samples), dict(zip(stats, values)), int(frames), episodes, bool(stop)))
+        rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
+        reports.append((int(rank_samples), dict(zip(stats, values)), int(rank_frames), rank_episodes, bool(rank_stop)))
     return reports
 
 

@@ -130,7 +130,7 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the workers, weighted by their samples: that of all the samples."""
+    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all the samples."""
     return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
             for name in stats_list[0]}
 

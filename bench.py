@@ -59,7 +59,7 @@ RULES = [
     ("transport", "torch/distributed/", None),        # collectives
     ("transport", "processes.py", {"ChildProcesses.__iter__", "SharedWeights.publish", "SharedWeights.refresh",
                                    "SharedWeights.copy_to"}),
-    ("transport", "a3c_dist.py", {"exchange"}),      # the all_reduce and the reports' all_gather
+    ("transport", "a3c_dist.py", {"exchange"}),      # the gradient's all_reduce, the reports in its rows
 ]
 START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
 HELPERS = ["multiprocessing.resource_tracker", "torch.distributed.run", "compile_worker"]   # not the job's

@@ -118,8 +118,9 @@ def share_memory(parser, *shared, page_locked=False):
             tensor.share_memory_()
     except (RuntimeError, OSError) as error:   # torch's word for no room, or no shared memory at all
         parser.error(shm_short(needed, free, error))
-    for tensor in tensors if page_locked else []:
-        page_lock(tensor)
+    if page_locked:
+        for tensor in tensors:
+            page_lock(tensor)
 
 
 def _tensors(item):

@@ -22,7 +22,7 @@ import processes
 
 CHECKPOINT = "checkpoint.pt"   # the whole run, in its folder: what --resume goes on from
 SEGMENT_SEED = 10_000          # a resumed run's k-th segment seeds its envs and children with seed + k * this
-LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for the GPU
+LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for it
 stop_signal = None             # SIGINT or SIGTERM, once one has asked the run to stop
 
 
@@ -162,8 +162,9 @@ class RewardTracker:
                    os.path.join(self.log_dir, "best.pt"))
 
     def trained(self, **scalars):
-        """Count a training step, just taken. At the first and every LOG_EVERY-th, log its scalars (floats
-        or one-element tensors, read then) as train/<name>; a loss also feeds train/avg_loss."""
+        """Count a training step, just taken. At the first and every LOG_EVERY steps after it (1, 101,
+        201, ...), log its scalars (floats or one-element tensors, read then) as train/<name>; a loss
+        also feeds train/avg_loss."""
         self.train_steps += 1
         if self.train_start is None:  # the first training step (dqn_compile's compile) is timed apart
             now = time.perf_counter()
@@ -255,17 +256,16 @@ class RewardTracker:
 class SilentTracker:
     """RewardTracker's stand-in on a torchrun rank other than 0: it logs nothing and never decides to
     stop; rank 0's word stops every rank at the same step, a stop asked by a signal included. A lost
-    rank (ProcessLost) ends its process with one line, at once, with os._exit, because a
-    helper thread may still wait in gloo, where a clean teardown would abort."""
+    rank (ProcessLost) ends the run here as on rank 0: one line, exit code 1."""
 
     frames = 0   # rank 0 counts them
 
     def __init__(self, args, rank):
-        self.script, self.rank = args.script, rank
+        self.script, self.rank, self.lost = args.script, rank, False
 
     @property
     def exit_code(self):
-        return 0 if stop_signal is None else 128 + stop_signal
+        return 128 + stop_signal if stop_signal is not None else int(self.lost)
 
     def update(self, frames, episodes):
         return False
@@ -280,7 +280,9 @@ class SilentTracker:
         if exc_type is processes.ProcessLost:
             if stop_signal is None:
                 print(f"{self.script}.py: error: rank {self.rank} {exc}", file=sys.stderr, flush=True)
-            os._exit(self.exit_code or 1)
+            self.lost = True
+            return True
+        return False
 
 
 # ---------------------------------------------------------------- command line
@@ -360,9 +362,9 @@ def setup(parser, hyperparams):
 
 
 def compile_or_exit(parser, fn, mode, probe_args):
-    """torch.compile(fn, mode=mode), after a first call on probe_args: compilation happens there, and
-    on a machine where it cannot (no C++ compiler, a Python that this torch cannot compile) the run
-    stops now, with one line."""
+    """torch.compile(fn, mode=mode), after a first call on probe_args (dqn_compile's acting): compilation
+    happens there, and on a machine where it cannot (no C++ compiler, a Python that this torch cannot
+    compile) the run stops now, with one line that points to dqn_fast.py."""
     try:
         compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
         compiled(*probe_args)

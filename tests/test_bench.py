@@ -51,7 +51,7 @@ STACKS = [   # (process, stack from the outermost frame in, category)
     ("a3c_data worker", [("data_func", "a3c_data.py"), ("unpack_batch_a2c", "common.py"),
                          ("Module._call_impl", "torch/nn/modules/module.py")], "training"),
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("exchange", "a3c_dist.py"),
-                       ("all_gather_object", "torch/distributed/distributed_c10d.py")], "transport"),
+                       ("all_reduce", "torch/distributed/distributed_c10d.py")], "transport"),
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("exchange", "a3c_dist.py")], "transport"),
     ("a3c_dist rank", [("<module>", "a3c_dist.py"), ("clip_grad_norm_", "torch/nn/utils/clip_grad.py")], "training"),
 ]

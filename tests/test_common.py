@@ -638,7 +638,7 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
 
 # ---------------------------------------------------------------- shared memory
 PARSER = runs.ArgumentParser("test", prog="test")
-COPIES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+SHARED_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 def test_share_memory_refuses_more_than_dev_shm_holds_with_one_line(fake_shm_free, capsys):
@@ -726,7 +726,7 @@ def test_cuda_copies_reach_each_page_locked_tensor_also_one_at_a_freed_ones_addr
         del tensor
 
 
-@pytest.mark.parametrize("device", COPIES)
+@pytest.mark.parametrize("device", SHARED_DEVICES)
 def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_device(device):
     learner = nn.Linear(3, 2).to(device)
     weights = shared_weights(learner)
@@ -809,7 +809,7 @@ def report_copy(weights, device, *, send):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("device", COPIES)
+@pytest.mark.parametrize("device", SHARED_DEVICES)
 def test_child_process_copy_follows_what_the_learner_publishes(device):
     learner = nn.Linear(3, 2).to(device)
     weights = shared_weights(learner)
