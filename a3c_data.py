@@ -88,7 +88,7 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
 
 def data_func(params, args, weights, worker_id, *, send):
     """Worker process: play its envs with the main process's net (its published weights on a GPU),
-    send n-step samples in micro-batches."""
+    send n-step samples, their reference values bootstrapped with that net, in micro-batches."""
     torch.set_num_threads(1)   # one core per worker
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -125,7 +125,7 @@ if __name__ == "__main__":
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
-    processes.share_memory(parser, weights, page_locked=args.cuda)  # if it is short: one line, exit code 2
+    processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
     batch, frames = [], tracker.frames
 

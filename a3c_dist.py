@@ -143,7 +143,8 @@ def exchange(grads, report):
     for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
         values, flat = rest[:len(stats)], rest[len(stats):]
         rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
-        reports.append((int(rank_samples), dict(zip(stats, values)), int(rank_frames), rank_episodes, bool(rank_stop)))
+        rank_stats = dict(zip(stats, values))
+        reports.append((int(rank_samples), rank_stats, int(rank_frames), rank_episodes, bool(rank_stop)))
     return reports
 
 
@@ -174,7 +175,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # one core per rank
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank = dist.get_rank()
-    args = runs.rank0_options(parser, args)   # a resumed run's come from its checkpoint, which only rank 0 reads
+    args, params = runs.rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
     env = common.make_fast_env(args.env, args.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
@@ -186,17 +187,18 @@ if __name__ == "__main__":
     with tracker:
         for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
             episodes += new_episodes
-            # every rank sums every rank's gradient and applies the same step: the weights stay equal
+            # every rank sums every rank's gradient (in grads, in place) and applies the same step: the
+            # weights stay equal; the same all_reduce brings every rank's report
             grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
             reports = exchange(grads, (samples, stats, new_frames, episodes[:MAX_EPISODES], stop))
             del episodes[:MAX_EPISODES]
-            samples, stats_list, new_frames, finished, stops = zip(*reports)
+            samples_list, stats_list, frames_list, finished, stops = zip(*reports)
             if stops[0]:  # rank 0's word, one step after it decided, on every rank at once
                 break
-            frames += sum(new_frames)
+            frames += sum(frames_list)
             stop = tracker.update(frames, sum(finished, []))
-            mean_grads(net, grads, samples, device)
-            stats = mean_stats(stats_list, samples)
+            mean_grads(net, grads, samples_list, device)
+            stats = mean_stats(stats_list, samples_list)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()

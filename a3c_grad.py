@@ -95,7 +95,7 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
     if args.cuda:
-        processes.page_lock(grad_slots)  # its gradient is copied off the GPU into its slot every step
+        processes.page_lock(grad_slots)  # for speed: its gradient is copied off the GPU into its slot every step
     env = common.make_fast_env(args.env, args.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
@@ -152,7 +152,7 @@ if __name__ == "__main__":
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
     grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))   # a row per worker
-    processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)  # if it is short: one line, exit code 2
+    processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)  # before any child starts
     # a pipe per worker, for the word that the step is made: it waits in recv, with no polling
     step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(args.processes)))
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
@@ -170,10 +170,10 @@ if __name__ == "__main__":
             filled_slots[worker_id] = samples, stats
             if len(filled_slots) < args.processes:
                 continue
-            samples, stats_list = zip(*(filled_slots[i] for i in range(args.processes)))   # in slot order
+            samples_list, stats_list = zip(*(filled_slots[i] for i in range(args.processes)))   # in slot order
             filled_slots.clear()
-            mean_grads(net, grad_slots, samples, device)
-            stats = mean_stats(stats_list, samples)
+            mean_grads(net, grad_slots, samples_list, device)
+            stats = mean_stats(stats_list, samples_list)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()

@@ -227,7 +227,7 @@ if __name__ == "__main__":
     epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
     torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
     states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
-    act = runs.compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
+    act = runs.compile_or_exit(parser, select_actions, mode, [net, states, epsilon])   # compiled by a first call
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
     # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
     step = compile_train_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)

@@ -117,24 +117,23 @@ if __name__ == "__main__":
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    env = common.make_fast_env(args.env, args.envs)  # here only for its spaces: the child plays its own
+    env = common.make_fast_env(args.env, 1)  # here only for its spaces: the child plays its own
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
-    tracker = runs.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before sharing
+    tracker = runs.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before it is shared
     # the play process acts with this net itself on the CPU, as the optimizer steps change it; on a
     # GPU with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
-    processes.share_memory(parser, weights, page_locked=args.cuda)  # if it is short: one line, exit code 2
+    processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
     children = {"play process": (params, args, weights, tracker.frames)}   # a resumed run's frames, and epsilon
 
     with tracker, processes.ChildProcesses(play_func, children) as messages:
         for exps, frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)
-            epsilon = epsilon_by_frame(params, frames)
             if tracker.update(frames, episodes):
                 break
             if len(buffer) < params.replay_start:
@@ -145,7 +144,7 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.trained(loss=loss, epsilon=epsilon)   # counts the training step
+            tracker.trained(loss=loss, epsilon=epsilon_by_frame(params, frames))   # the play process sets its own
             if tracker.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             if args.cuda:

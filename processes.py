@@ -167,10 +167,11 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The main process's weights where its children read them on a GPU, where no CUDA tensor may cross
-    a process boundary: one flat tensor in shared CPU memory (share_memory puts it there), which the
-    main process publishes its weights into after each optimizer step, and from which each child
-    refreshes a network of its own on its device. This works where CUDA IPC does not (Windows).
+    """The main process's weights where its children read them when they act on a GPU. The book shares
+    the CUDA network itself (CUDA IPC, which Windows lacks); here no CUDA tensor crosses a process
+    boundary: one flat tensor in shared CPU memory (share_memory puts it there), which the main
+    process publishes its weights into after each optimizer step, and from which each child
+    refreshes a network of its own on its device.
 
     A version orders the copies, as a seqlock does: a publish makes it odd, writes, and makes it
     even. A child copies the weights into a staging buffer between two reads of the version, and

@@ -373,16 +373,17 @@ def compile_or_exit(parser, fn, mode, probe_args):
     return compiled
 
 
-def rank0_options(parser, args):
-    """Under torchrun, rank 0's options on every rank: a resumed run's come from its checkpoint, which
-    only rank 0 reads (ranks on other machines cannot see its folder), and must have as many ranks."""
+def rank0_options(parser, args, hyperparams):
+    """Under torchrun, rank 0's options on every rank, and the hyperparameters of its env: a resumed
+    run's come from its checkpoint, which only rank 0 reads (ranks on other machines cannot see its
+    folder), and must have as many ranks."""
     options = [vars(args)]
     torch.distributed.broadcast_object_list(options, src=0)
     args, world_size = argparse.Namespace(**options[0]), torch.distributed.get_world_size()
     if getattr(args, "world_size", world_size) != world_size:
         parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
     args.world_size = world_size
-    return args
+    return args, types.SimpleNamespace(**hyperparams[args.env])
 
 
 def read_checkpoint(parser, folder, script):
