@@ -125,8 +125,8 @@ def mean_stats(stats_list, samples):
 
 
 def exchange(grads, report):
-    """Sum grads over every rank, in place, and give every rank's report (samples, loss stats, frames,
-    up to MAX_EPISODES episodes, stop), in rank order. One all_reduce carries both, each report in a
+    """The sum of grads over every rank, and every rank's report (samples, loss stats, frames, up to
+    MAX_EPISODES episodes, stop), in rank order. One all_reduce carries both, each report in a
     row of its own, zeros in the others' (a collective of their own cost 3 to 8% of a step:
     docs/RESULTS.md). A rank that is gone, or silent for TIMEOUT, ends the run."""
     samples, stats, frames, episodes, stop = report
@@ -138,14 +138,13 @@ def exchange(grads, report):
         dist.all_reduce(msg)
     except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
         raise processes.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
-    grads.copy_(msg[:len(grads)])
     reports = []
     for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
         values, flat = rest[:len(stats)], rest[len(stats):]
         rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
         rank_stats = dict(zip(stats, values))
         reports.append((int(rank_samples), rank_stats, int(rank_frames), rank_episodes, bool(rank_stop)))
-    return reports
+    return msg[:len(grads)], reports
 
 
 def share_weights(net, optimizer):
@@ -187,10 +186,10 @@ if __name__ == "__main__":
     with tracker:
         for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
             episodes += new_episodes
-            # every rank sums every rank's gradient (in grads, in place) and applies the same step: the
-            # weights stay equal; the same all_reduce brings every rank's report
+            # every rank sums every rank's gradient and applies the same step: the weights stay equal;
+            # the same all_reduce brings every rank's report
             grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
-            reports = exchange(grads, (samples, stats, new_frames, episodes[:MAX_EPISODES], stop))
+            grads, reports = exchange(grads, (samples, stats, new_frames, episodes[:MAX_EPISODES], stop))
             del episodes[:MAX_EPISODES]
             samples_list, stats_list, frames_list, finished, stops = zip(*reports)
             if stops[0]:  # rank 0's word, one step after it decided, on every rank at once

@@ -401,7 +401,7 @@ def exchange_as_rank(store, rank, *, send):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     grads = torch.tensor([1.0, 2.0]) * (rank + 1)
     episodes = [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30 if rank else []
-    reports = a3c_dist.exchange(grads, (rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0))
+    grads, reports = a3c_dist.exchange(grads, (rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0))
     send((rank, grads.tolist(), reports))
     while True:
         time.sleep(1)
