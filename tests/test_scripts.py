@@ -448,33 +448,71 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
 
 
 # ---------------------------------------------------------------- the same math from a seed
-# the sum of each parameter after each of the first 2 optimizer steps of the training process (rank
-# 0's under torchrun), written by the hook in $RL_TEST_STEPS; later steps of the multi-process
-# scripts depend on which message arrives first
+# the sum of each parameter after the optimizer steps listed in $RL_TEST_AT of the training process
+# (rank 0's under torchrun), written by the hook in $RL_TEST_STEPS
 FIRST_STEPS_HOOK = """
-import json, os
+import json, multiprocessing.connection, os
 import torch
-_step, _after = torch.optim.Adam.step, []
+import processes
+_step, _wanted, _after = torch.optim.Adam.step, json.loads(os.environ["RL_TEST_AT"]), {}
 def recording_step(self, *args, **kwargs):
     result = _step(self, *args, **kwargs)
-    if len(_after) < 2 and (os.environ.get("RANK") or "0") == "0":
-        _after.append([float(p.detach().double().sum()) for group in self.param_groups for p in group["params"]])
+    recording_step.steps += 1
+    if recording_step.steps in _wanted and (os.environ.get("RANK") or "0") == "0":
+        _after[recording_step.steps] = [float(p.detach().double().sum())
+                                        for group in self.param_groups for p in group["params"]]
         with open(os.environ["RL_TEST_STEPS"], "w") as f:
             json.dump(_after, f)
     return result
+recording_step.steps = 0
 torch.optim.Adam.step = recording_step
+
+# children act with the weights that the main process's steps change: here a child acts again only
+# once the main process waits for messages again (done with its message and any step it made), and an
+# a3c_grad worker once that step's word has come, so that no timing decides the weights it acts with
+_send, _wait, _held = multiprocessing.connection.Connection.send, multiprocessing.connection.wait, []
+def held_send(self, obj):
+    if obj is None and multiprocessing.parent_process() is None:   # the main process's "taken", "step made"
+        _held.append(self)
+    else:
+        _send(self, obj)
+def releasing_wait(*args, **kwargs):
+    while _held:
+        _send(_held.pop(0), None)
+    return _wait(*args, **kwargs)
+multiprocessing.connection.Connection.send, multiprocessing.connection.wait = held_send, releasing_wait
+_child_main = processes._child_main
+def lockstep_child_main(target, args, pipe):
+    step_receivers = [arg for arg in args if isinstance(arg, multiprocessing.connection.Connection)]
+    def lockstep_target(*args, send):
+        def lockstep_send(message):
+            send(message)
+            for step_receiver in step_receivers:
+                step_receiver.poll(None)
+        target(*args, send=lockstep_send)
+    _child_main(lockstep_target, args, pipe)
+processes._child_main = lockstep_child_main
 """
 FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "3"]}
 
 
+# the DQN scripts' third record is the first step after a target sync (CartPole's target_sync is 200)
+FIRST_STEPS_AT = {"dqn_baseline": [1, 2, 201], "dqn_fast": [1, 2, 201], "dqn_mp": [1, 2, 201],
+                  "dqn_compile": [1, 2, 201], "a3c_data": [1, 2], "a3c_grad": [1, 2], "a3c_dist": [1, 2]}
+
+
 @slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("script", SCRIPTS + ["a3c_dist"])
-def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_before(script, tmp_path):
-    # tests/first_steps.json: recorded at commit b1d08b5 (CartPole, seed 7), before common.py was
-    # split (issue 40); a change to the math, or to what the generators draw, moves these sums
-    env = dict(hooked_env(tmp_path, FIRST_STEPS_HOOK), RL_TEST_STEPS=str(tmp_path / "steps.json"))
-    args = ["--env", "cartpole", "--seed", "7", "--max-frames", "1100" if script in DQN_SCRIPTS else "3000",
-            "--checkpoint-minutes", "0", *FIRST_STEPS_ARGS.get(script, [])]
+def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_before(script, precision, tmp_path):
+    # tests/first_steps.json: each parameter's sum after the listed Adam steps (CartPole, seed 7), recorded
+    # at 75347b4; fp32 steps 1 and 2 are those of b1d08b5 but for a3c_data's and a3c_grad's step 2 (their
+    # workers now act in lock step). A change to the math, or to what the generators draw, moves these
+    # sums: the Pong solves on record count for code that passes this test
+    env = dict(hooked_env(tmp_path, FIRST_STEPS_HOOK), RL_TEST_STEPS=str(tmp_path / "steps.json"),
+               RL_TEST_AT=json.dumps(FIRST_STEPS_AT[script]))
+    args = ["--env", "cartpole", "--seed", "7", "--max-frames", "2000" if script in DQN_SCRIPTS else "3000",
+            "--checkpoint-minutes", "0", *FIRST_STEPS_ARGS.get(script, []), *(["--bf16"] if precision == "bf16" else [])]
     if script == "a3c_dist":
         proc = start_dist(*args, cwd=tmp_path, env=env)
         err = proc.communicate(timeout=300)[1]
@@ -483,11 +521,12 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
         code, _, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
     with open(os.path.join(REPO, "tests", "first_steps.json")) as f:
-        expected = json.load(f)[script]
+        expected = json.load(f)[precision][script]
     with open(tmp_path / "steps.json") as f:
         steps = json.load(f)
-    assert len(steps) == len(expected) == 2
-    assert sum(steps, []) == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-6)
+    assert list(steps) == list(expected) == [str(step) for step in FIRST_STEPS_AT[script]]
+    for step in expected:
+        assert steps[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"after step {step}"
 
 
 # ---------------------------------------------------------------- CartPole learning
