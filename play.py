@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Watch a trained agent: rebuild the network of a run's best.pt with the script that trained it,
 play episodes on a fresh env (DQN agents greedily, A3C agents sampling from their policy), print
-each score and, last, one JSON line (episodes, mean, min, max); --record writes a GIF.
+each score and, last, one JSON line (episodes, mean, min, max); --show plays it in a window,
+--record writes a GIF.
 
 A3C agents sample their actions as they did in training: the scores are those of the policy that
 was trained and measured, not of its most likely action, a different policy that training never
@@ -89,6 +90,14 @@ def frame_ms(env_name, env):
     return round(100 / env.metadata["render_fps"]) * 10
 
 
+def has_display():
+    """Whether a window can open: on macOS and Windows always, elsewhere where an X or Wayland display
+    is set (or SDL, which draws the window, is told which video driver to use)."""
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER"))
+
+
 def save_gif(frames, file, ms):
     """An animated GIF of the frames, ms milliseconds each."""
     images = [Image.fromarray(frame) for frame in frames]
@@ -99,7 +108,9 @@ if __name__ == "__main__":
     parser = runs.ArgumentParser(__doc__)
     parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
     parser.add_argument("--episodes", type=runs.positive_int, default=10, help="episodes to play (default: 10)")
-    parser.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")
+    watch = parser.add_mutually_exclusive_group()
+    watch.add_argument("--show", action="store_true", help="play in a window, at the game's pace")
+    watch.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")
     parser.add_argument("--seed", type=runs.seed_int, default=10 ** 6,
                         help="seed of the env and of sampled actions (default: 1000000, far from "
                              "the seeds of training, which start at --seed 0)")
@@ -107,9 +118,13 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
+    if args.show and not has_display():
+        parser.error("--show needs a display and this machine has none ($DISPLAY is unset): "
+                     "--record FILE.gif writes the game to a file instead")
     try:
         checkpoint = load_checkpoint(args.checkpoint)
-        env = common.make_python_env(checkpoint["env"], render_mode="rgb_array" if args.record else None)
+        render_mode = "human" if args.show else "rgb_array" if args.record else None
+        env = common.make_python_env(checkpoint["env"], render_mode=render_mode)
         gif = open(args.record, "wb") if args.record else None  # an unwritable file fails now, not after playing
     except (ValueError, gym.error.DependencyNotInstalled) as error:
         parser.error(str(error))

@@ -310,6 +310,17 @@ def bounded_int(low, high, expected):
     return parse
 
 
+def minutes(text):
+    """argparse type of --checkpoint-minutes: a number of minutes from 0 (none) to a million; 0.5 is 30 s."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 10 ** 6:   # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, 0 for none, got {text!r}")
+    return value
+
+
 positive_int = bounded_int(1, sys.maxsize, "a positive integer")
 # workers add offsets to the seed, and the C++ env takes int32 seeds
 seed_int = bounded_int(0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")
@@ -327,7 +338,7 @@ def argument_parser(description):
                         help="mixed precision: the network's hidden layers compute in bfloat16")
     parser.add_argument("--resume", metavar="RUN_FOLDER",
                         help="go on with the stopped run in RUN_FOLDER, from its checkpoint, with its options")
-    parser.add_argument("--checkpoint-minutes", type=bounded_int(0, 10 ** 6, "a number of minutes, 0 for none"),
+    parser.add_argument("--checkpoint-minutes", type=minutes,
                         default=10, help="minutes of run time between checkpoints, 0 for none (default: 10)")
     return parser
 

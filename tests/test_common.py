@@ -462,6 +462,11 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
         "dqn_fast.py: warning: --bf16 is emulated on this GPU: it may run slower than fp32"]
 
 
+@pytest.mark.parametrize("text, minutes", [("0", 0.0), ("0.5", 0.5), ("10", 10.0), ("1e3", 1000.0)])
+def test_checkpoint_minutes_takes_any_number_of_minutes(text, minutes):
+    assert runs.argument_parser("test").parse_args(["--checkpoint-minutes", text]).checkpoint_minutes == minutes
+
+
 # ---------------------------------------------------------------- RewardTracker
 def fake_args(max_frames=None, checkpoint_minutes=0):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False,

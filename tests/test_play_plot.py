@@ -16,6 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, REPO)
 import a3c_data  # noqa: E402
+import common  # noqa: E402
 import dqn_baseline  # noqa: E402
 import play  # noqa: E402
 import plot  # noqa: E402
@@ -113,6 +114,26 @@ def test_play_cartpole_and_record_a_gif_at_the_game_pace(short_run, tmp_path):
     # step scores 1); Pillow stores a frame that repeats the one before as a longer one
     assert sum(durations) == 20 * scores[0] and size == (600, 400)
     assert len(durations) > 1 and all(ms % 20 == 0 for ms in durations)
+
+
+def test_play_shows_the_game_in_a_window_where_a_display_exists(short_run, in_process, monkeypatch):
+    monkeypatch.setenv("SDL_VIDEODRIVER", "dummy")   # SDL's display that draws nowhere
+    monkeypatch.setenv("SDL_AUDIODRIVER", "dummy")
+    render_modes, make_python_env = [], common.make_python_env
+    def recording_make(env, **kwargs):
+        render_modes.append(kwargs.get("render_mode"))
+        return make_python_env(env, **kwargs)
+    monkeypatch.setattr(common, "make_python_env", recording_make)
+    code, out, err = in_process("play", str(short_run), "--episodes", "2", "--show")
+    assert code == 0, err
+    assert render_modes == ["human"] and len(scores_and_result(out)[0]) == 2
+
+
+@pytest.mark.skipif(sys.platform in ("darwin", "win32"), reason="macOS and Windows always have a display")
+def test_play_show_without_a_display_ends_with_one_line_and_exit_code_2(short_run, in_process, monkeypatch):
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER"):
+        monkeypatch.delenv(name, raising=False)
+    assert_one_line_error(*in_process("play", str(short_run), "--show"), "needs a display")
 
 
 @slow
@@ -237,6 +258,7 @@ PLAY_BAD_INPUT = [
     (lambda d: write_checkpoint(d / "best.pt", script="dqn_nowhere"), ["best.pt"], "unknown here"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--record", "no/such/dir/game.gif"], "cannot write"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--episodes", "0"], "positive integer"),
+    (lambda d: write_checkpoint(d / "best.pt"), ["best.pt", "--show", "--record", "game.gif"], "not allowed with"),
     (lambda d: write_checkpoint(d / "best.pt"), ["best.pt"], "do not fit the network of dqn_baseline.py"),
 ]
 PLAY_BAD_INPUT += [] if torch.cuda.is_available() else [

@@ -247,7 +247,9 @@ def slow_but(fast, cases):
 # ---------------------------------------------------------------- bad input, --help
 BAD_INPUT = [(["--env", "mars"], "invalid choice"), (["--max-frames", "-1"], "positive integer"),
              (["--max-frames", "lots"], "positive integer"), (["--seed", "x"], "expected an integer"),
-             (["--seed", "-1"], "expected an integer"), (["--seed", str(2 ** 40)], "expected an integer")]
+             (["--seed", "-1"], "expected an integer"), (["--seed", str(2 ** 40)], "expected an integer"),
+             (["--checkpoint-minutes", "-1"], "a number of minutes"), (["--checkpoint-minutes", "nan"], "a number of minutes"),
+             (["--checkpoint-minutes", "soon"], "a number of minutes")]
 BAD_INPUT += [] if torch.cuda.is_available() else [(["--cuda"], "no CUDA device")]
 BAD_COUNTS = [("dqn_fast", "--envs"), ("dqn_mp", "--envs"), ("dqn_compile", "--envs"), ("a3c_data", "--envs"),
               ("a3c_grad", "--envs"),
