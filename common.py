@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 gym.register_envs(ale_py)
+ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # no banner for every env made: errors only
 
 
 # ---------------------------------------------------------------- environments

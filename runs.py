@@ -5,16 +5,22 @@ reward tracker (TensorBoard, best.pt, the JSON summary, the exit code) and the c
 import argparse
 import collections
 import contextlib
+import copy
 import json
+import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 import types
 
 import numpy as np
 import torch
 import torch.distributed
+from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from torch.utils.tensorboard import SummaryWriter
 
 import common
@@ -33,10 +39,15 @@ def request_stop(signum, frame):
     stop_signal = stop_signal or signum
 
 
+class WriteFailed(Exception):
+    """A file of the run could not be written (a full disk, a read-only one); the message says which,
+    why, what it needed and what is free."""
+
+
 def save_whole(obj, path):
     """torch.save obj to path through a temporary in the same folder, flushed to the disk, then
     renamed over path: a kill at any moment leaves the old file or the new one, never part of one.
-    A write that fails removes its temporary."""
+    A write that fails removes its temporary and raises WriteFailed."""
     temporary = path + ".tmp"
     try:
         with open(temporary, "wb") as f:
@@ -44,10 +55,92 @@ def save_whole(obj, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):   # none was made if open failed
             os.remove(temporary)
+        if isinstance(error, (OSError, RuntimeError)):   # RuntimeError: torch's zip writer, on a full disk
+            raise WriteFailed(f"cannot write {path} ({why(error)}): it needs about {size(nbytes(obj))}, "
+                              f"{size(free_bytes(path))} free") from None
         raise
+
+
+def why(error):
+    """The reason in words: that of an OSError on the way (No space left on device, where torch's zip
+    writer raises a RuntimeError of its own), else the first line of what was raised."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    return str(error).strip().splitlines()[0]
+
+
+def nbytes(obj):
+    """Bytes of the tensors in obj, a tensor or dicts, lists and tuples of them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(nbytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(value) for value in obj)
+    return 0
+
+
+def full_size(obj):
+    """Bytes that obj's state takes in a checkpoint at its largest: a buffer's whole arrays (only their
+    filled part is saved), the tensors of any other state_dict."""
+    arrays = [value for value in vars(obj).values() if isinstance(value, (np.ndarray, torch.Tensor))]
+    return sum(array.nbytes for array in arrays) if arrays else nbytes(obj.state_dict())
+
+
+def free_bytes(path):
+    """Bytes free on the disk that holds path's folder."""
+    return shutil.disk_usage(os.path.dirname(path) or ".").free
+
+
+def size(count):
+    """Bytes in words: 3.5 GB, 12.3 MB, 420.1 kB."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} GB"
+    return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{count / 1e3:.1f} kB"
+
+
+class EventWriter:
+    """TensorBoard's SummaryWriter, but a write that fails (a full disk) ends the logging with one
+    line, not the run. Its writer thread raises the failure at the next call; warn says it."""
+
+    def __init__(self, log_dir, purge_step, warn):
+        self.log_dir, self.warn = log_dir, warn
+        self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+
+    def add_scalar(self, tag, value, step):
+        self._call("add_scalar", tag, value, step)
+
+    def flush(self):
+        self._call("flush")
+
+    def close(self):
+        self._call("close")
+
+    def _call(self, method, *args):
+        if self.writer is None:
+            return
+        try:
+            getattr(self.writer, method)(*args)
+        except OSError as error:
+            self.writer = None
+            self.warn(f"cannot write the TensorBoard events in {self.log_dir} ({why(error)}), "
+                      f"{size(free_bytes(os.path.join(self.log_dir, 'events')))} free: the run goes on, unlogged")
+
+
+def quiet_writer_thread(args, excepthook=threading.excepthook):
+    """threading.excepthook that leaves a TensorBoard writer thread's failed write to EventWriter's one
+    line, with no traceback of its own."""
+    if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)):
+        excepthook(args)
+
+
+threading.excepthook = quiet_writer_thread
 
 
 def rng_states(device):
@@ -92,7 +185,7 @@ class RewardTracker:
         self.frames = self.episodes = self.train_steps = self.segment = 0
         self.best_mean = self.train_start = self.first_step_seconds = None
         self.earlier = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # of the segments before this one
-        self.solved, self.exit_code = False, 0
+        self.solved, self.exit_code, self.model_unwritten = False, 0, False
         self.options = {name: value for name, value in vars(args).items() if name != "resume"}
         if args.resume:
             self.log_dir = args.resume
@@ -105,12 +198,31 @@ class RewardTracker:
 
     def __enter__(self):
         """The run begins: its folder and writer are made, its clock starts."""
+        if self.args.resume:
+            print(f"going on with {self.log_dir} from frame {self.frames}: segment {self.segment + 1}", flush=True)
         # on resume, readers drop what the stopped run logged after its checkpoint: no curve doubles back
-        self.writer = SummaryWriter(self.log_dir, purge_step=self.frames + 1 if self.args.resume else None)
+        self.writer = EventWriter(self.log_dir, self.frames + 1 if self.args.resume else None, self.warn)
+        if self.args.checkpoint_minutes:
+            self.check_room()
         self.start = self.updated = time.perf_counter()
         self.last_print = (self.frames, self.start)
         self.last_checkpoint = self.earlier["seconds"]
         return self
+
+    def warn(self, message):
+        print(f"{self.args.script}.py: warning: {message}", file=sys.stderr, flush=True)
+
+    def check_room(self):
+        """Say so in one line where the disk has plainly too little room for this run's checkpoints: each
+        new one is written beside the one it replaces."""
+        checkpoint = sum(full_size(obj) for obj in self.saved.values())
+        path = os.path.join(self.log_dir, CHECKPOINT)
+        free = free_bytes(path) + (os.path.getsize(path) if os.path.isfile(path) else 0)
+        if free < 2 * checkpoint:
+            self.warn(f"{self.log_dir} has {size(free)} free, and this run's checkpoint takes up to "
+                      f"{size(checkpoint)}, twice that while a new one replaces it: run from a folder on a "
+                      "larger disk, or give --checkpoint-minutes 0 (no checkpoints, none at the stop either: "
+                      "no --resume)")
 
     def run_seconds(self):
         """Run time: this segment's seconds, to the stop, plus those of the segments before it."""
@@ -127,7 +239,11 @@ class RewardTracker:
                 break
         interval = self.args.checkpoint_minutes * 60
         if interval and self.run_seconds() - self.last_checkpoint >= interval and stop_signal is None:
-            self.save_checkpoint()
+            try:
+                self.save_checkpoint()
+            except WriteFailed as error:   # the run can go on: the next try comes at the next interval
+                self.warn(f"{error}: the checkpoint before it stays, the run goes on and tries again in "
+                          f"{self.args.checkpoint_minutes:g} minutes")
         return (stop_signal is not None or self.solved or
                 (self.args.max_frames is not None and frames >= self.args.max_frames))
 
@@ -158,8 +274,14 @@ class RewardTracker:
         so that any machine can load them."""
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
         mean = float(np.mean(self.rewards)) if self.rewards else None
-        save_whole(dict(self.model_info, frames=self.frames, mean_reward=mean, state_dict=state),
-                   os.path.join(self.log_dir, "best.pt"))
+        try:
+            save_whole(dict(self.model_info, frames=self.frames, mean_reward=mean, state_dict=state),
+                       os.path.join(self.log_dir, "best.pt"))
+            self.model_unwritten = False
+        except WriteFailed as error:
+            if not self.model_unwritten:   # one line until a write of it succeeds
+                self.warn(f"{error}: best.pt stays as it was, the run goes on")
+            self.model_unwritten = True
 
     def trained(self, **scalars):
         """Count a training step, just taken. At the first and every LOG_EVERY steps after it (1, 101,
@@ -172,10 +294,11 @@ class RewardTracker:
             self.train_start = (self.frames, now)
         if (self.train_steps - 1) % LOG_EVERY:
             return
+        scalars = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in scalars.items()}
         for name, value in scalars.items():
-            self.writer.add_scalar(f"train/{name}", float(value), self.frames)
+            self.writer.add_scalar(f"train/{name}", value, self.frames)
         if "loss" in scalars:
-            self.losses.append(float(scalars["loss"]))
+            self.losses.append(scalars["loss"])
             self.writer.add_scalar("train/avg_loss", np.mean(self.losses), self.frames)
 
     def train_totals(self):
@@ -201,15 +324,18 @@ class RewardTracker:
             "train_seconds": train_seconds, "rng": rng_states(self.device),
             "state": {name: obj.state_dict() for name, obj in self.saved.items()}}
         path = os.path.join(self.log_dir, CHECKPOINT)
-        save_whole(checkpoint, path)
         self.last_checkpoint = checkpoint["seconds"]
+        save_whole(checkpoint, path)
         print(f"{self.frames}: checkpoint written, {os.path.getsize(path) / 1e6:.1f} MB in "
               f"{time.perf_counter() - started:.1f} s", flush=True)
 
     def restore(self, checkpoint):
         """Go on from a checkpoint: the saved objects' states, the counters, the generators."""
         for name, obj in self.saved.items():
-            obj.load_state_dict(checkpoint["state"][name])
+            state = checkpoint["state"][name]
+            if isinstance(obj, torch.optim.Optimizer):   # it keeps the tensors it is given: copies, not views of the file
+                state = copy.deepcopy(state)
+            obj.load_state_dict(state)
         self.options, self.segment = checkpoint["options"], checkpoint["segments"]
         self.frames, self.episodes = checkpoint["frames"], checkpoint["episodes"]
         self.train_steps, self.best_mean, self.solved = checkpoint["train_steps"], checkpoint["best_mean"], checkpoint["solved"]
@@ -245,7 +371,12 @@ class RewardTracker:
             signal.signal(signum, signal.SIG_IGN)
         self.stopped = time.perf_counter()   # the run's clock stops: the writes below are not run time
         if self.args.checkpoint_minutes:
-            self.save_checkpoint()
+            try:
+                self.save_checkpoint()
+            except WriteFailed as error:   # a solve stays a solve; any other stop could not keep its state
+                print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr,
+                      flush=True)
+                self.exit_code = self.exit_code if self.solved or self.exit_code == 1 else 2
         if self.best_mean is None:  # no full window yet: the latest model is the best we know
             self.save_model()
         self.writer.close()
@@ -359,6 +490,8 @@ def setup(parser, hyperparams):
     args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     if args.resume and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reads it, and sends it on
         args = resumed_options(parser, args)
+    if os.environ.get("RANK", "0") == "0":   # the one process that writes the run's folder
+        check_writable(parser, args.resume or "runs")
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -372,10 +505,26 @@ def setup(parser, hyperparams):
     return args, types.SimpleNamespace(**hyperparams[args.env])
 
 
+def check_writable(parser, folder):
+    """Stop with one line where the run cannot write in its folder (or make it): a file in its place,
+    a read-only disk."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        parser.error(f"{folder} is a file: the run writes in a folder of that name")
+    where = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as error:
+        parser.error(f"cannot write in {where} ({why(error)})")
+
+
 def compile_or_exit(parser, fn, mode, probe_args):
     """torch.compile(fn, mode=mode), after a first call on probe_args (dqn_compile's acting): compilation
     happens there, and on a machine where it cannot (no C++ compiler, a Python that this torch cannot
-    compile) the run stops now, with one line that points to dqn_fast.py."""
+    compile) the run stops now, with one line that points to dqn_fast.py. The compiler's notices of
+    its own choices (the optimizer's profiler marks it skips, where it looked for CUDA) stay unprinted."""
+    torch._logging.set_logs(dynamo=logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
         compiled(*probe_args)

@@ -433,6 +433,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     env = dict(hooked_env(tmp_path, DEVICES_HOOK), RL_TEST_DEVICES=str(tmp_path / "devices"))
     code, out, err = run(script, *options, cwd=tmp_path, env=env)
     assert code == 0, err
+    assert our_lines(err) == err.splitlines()   # no library's warnings or banners
     result = summary(out)
     assert result["script"] == script and result["env"] == "pong" and result["train_frames"] > 0
     scalars = events(tmp_path)
@@ -546,6 +547,14 @@ def test_learns_cartpole_within_budget(script, precision, tmp_path):
     result = summary(out)
     assert result["solved"], result
     assert result["mean_reward"] >= common.STOP_REWARDS["cartpole"]
+    assert our_lines(err) == err.splitlines()   # no library's warnings
+
+
+@pytest.mark.parametrize("env, frames", slow_but(("cartpole", "1200"), [("cartpole", "1200"), ("pong", "300")]))
+def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
+    # torch warned of a loss read while in its graph; ALE printed its banner for each Python Atari env
+    code, out, err = run("dqn_baseline", "--env", env, "--max-frames", frames, cwd=tmp_path)
+    assert code == 0 and err == ""
 
 
 # the CPU's capabilities as torch reads them, but for bfloat16: native where $RL_TEST_BF16 is 1

@@ -1,0 +1,145 @@
+"""The disk as a resource: a run whose folder cannot be written stops at once with one line; a run
+whose disk fills keeps what it had (the checkpoint before, best.pt whole), says so in one line and
+reports its outcome; a resumed run holds no mapping of the checkpoint it replaced. The faults are
+made for real: a small or read-only tmpfs at runs/, in a user and mount namespace (Linux)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import runs  # noqa: E402
+from conftest import our_lines  # noqa: E402
+
+SCRIPT = [sys.executable, os.path.join(REPO, "dqn_fast.py"), "--env", "cartpole"]
+
+
+def on_small_disk(kib, command, read_only=False, copy=None):
+    """The command line that runs command with runs/ a tmpfs of kib KiB of its own (holding a copy of
+    the folder copy, if given; read-only, if asked), in a user and mount namespace; None where that
+    cannot be made."""
+    mount = f"mkdir -p runs && mount -t tmpfs -o size={kib}k tmpfs runs"
+    if copy:
+        mount += f" && cp -r {copy} runs/"
+    if read_only:
+        mount += " && mount -o remount,ro runs"
+    wrapped = ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$@"', "sh", *command]
+    try:
+        probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+    except OSError:
+        return None
+    return wrapped if probe.returncode == 0 else None
+
+
+def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None):
+    """Run dqn_fast on CartPole with args, runs/ a small disk; returns (exit code, stdout, stderr)."""
+    command = on_small_disk(kib, [*SCRIPT, *args], read_only, copy)
+    if command is None:
+        pytest.skip("no user and mount namespaces here (unshare -rm)")
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def summary(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+FULL = r"cannot write runs/dqn_fast-cartpole-[\d-]+/{} \(No space left on device\): it needs about [\d.]+ [kMG]B, [\d.]+ kB free"
+ROOM = (r"dqn_fast.py: warning: runs/dqn_fast-cartpole-[\d-]+ has [\d.]+ kB free, and this run's checkpoint takes up to "
+        r"[\d.]+ kB, twice that while a new one replaces it: run from a folder on a larger disk, or give "
+        r"--checkpoint-minutes 0 \(no checkpoints, none at the stop either: no --resume\)")
+
+
+def test_a_file_where_runs_should_be_stops_the_run_at_once_with_one_line(tmp_path):
+    (tmp_path / "runs").write_text("not a folder")
+    proc = subprocess.run([*SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert our_lines(proc.stderr) == ["dqn_fast.py: error: runs is a file: the run writes in a folder of that name"]
+
+
+def test_a_read_only_runs_folder_stops_the_run_at_once_with_one_line(tmp_path):
+    code, out, err = run_on_small_disk(tmp_path, 64, read_only=True)
+    assert code == 2 and out == ""
+    assert our_lines(err) == ["dqn_fast.py: error: cannot write in runs (Read-only file system)"]
+
+
+@pytest.mark.slow
+def test_resume_of_a_folder_on_a_read_only_disk_stops_at_once_with_one_line(tmp_path):
+    made = tmp_path / "made"
+    made.mkdir()
+    subprocess.run([*SCRIPT, "--max-frames", "300"], cwd=made, capture_output=True, check=True, timeout=120)
+    (folder,) = (made / "runs").iterdir()
+    code, out, err = run_on_small_disk(tmp_path, 2048, "--resume", f"runs/{folder.name}", read_only=True,
+                                       copy=str(folder))
+    assert code == 2 and out == ""
+    assert our_lines(err) == [f"dqn_fast.py: error: cannot write in runs/{folder.name} (Read-only file system)"]
+
+
+def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_goes_on(tmp_path):
+    # 256 KiB: room for the events (under 60 kB) and best.pt (72 kB), not for a checkpoint (over 400 kB)
+    code, out, err = run_on_small_disk(tmp_path, 256, "--max-frames", "8000", "--checkpoint-minutes", "0.005")
+    lines = our_lines(err)
+    assert code == 2 and len(lines) >= 3, err
+    assert re.fullmatch(ROOM, lines[0]), lines[0]
+    for line in lines[1:-1]:   # a try at each interval of 0.3 s, one line each; the run went on
+        assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
+                            r"stays, the run goes on and tries again in 0.005 minutes", line), line
+    result = summary(out)
+    assert result["frames"] >= 8000 and not result["solved"]
+    assert len(lines) - 2 <= result["seconds"] / 0.3 + 1
+    # the stop's own checkpoint fails too: with no checkpoint to go on from, the run ends with code 2
+    assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
+                        lines[-1]), lines[-1]
+
+
+@pytest.mark.slow
+def test_a_solved_run_whose_last_checkpoint_does_not_fit_is_a_solve(tmp_path):
+    # 512 KiB: room for the events and best.pt (under 150 kB), not for the checkpoint of a full buffer (700 kB)
+    code, out, err = run_on_small_disk(tmp_path, 512, "--seed", "1", "--max-frames", "50000")
+    assert code == 0, err
+    assert summary(out)["solved"]
+    lines = our_lines(err)
+    assert len(lines) == 2 and re.fullmatch(ROOM, lines[0]), err
+    assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
+                        lines[1]), lines[1]
+
+
+@pytest.mark.slow
+def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_on(tmp_path):
+    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting as the run goes on
+    code, out, err = run_on_small_disk(tmp_path, 32, "--max-frames", "20000", "--checkpoint-minutes", "0")
+    assert code == 0, err
+    result = summary(out)
+    assert result["frames"] >= 20000 or result["solved"]
+    best, events = our_lines(err)   # best.pt was a new best many times: one line until a write succeeds
+    assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("best.pt") + ": best.pt stays as it was, the run "
+                        "goes on", best), best
+    assert re.fullmatch(r"dqn_fast.py: warning: cannot write the TensorBoard events in runs/dqn_fast-cartpole-[\d-]+ "
+                        r"\(No space left on device\), [\d.]+ kB free: the run goes on, unlogged", events), events
+
+
+# ---------------------------------------------------------------- a resumed run's mapping
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc/PID/maps")
+def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
+    made = subprocess.run([*SCRIPT, "--max-frames", "3000"], cwd=tmp_path, capture_output=True, text=True, check=True,
+                          timeout=120)
+    (folder,) = (tmp_path / "runs").iterdir()
+    proc = subprocess.Popen([*SCRIPT, "--resume", str(folder), "--max-frames", "1000000000",
+                             "--checkpoint-minutes", "0.005"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first == f"going on with {folder} from frame {summary(made.stdout)['frames']}: segment 2\n"
+        while "checkpoint written" not in proc.stdout.readline():   # the checkpoint it resumed from is replaced
+            assert proc.poll() is None, proc.stderr.read()
+        with open(f"/proc/{proc.pid}/maps") as f:
+            mapped = [line for line in f if runs.CHECKPOINT in line]
+        assert mapped == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
