@@ -885,12 +885,14 @@ def test_a3c_dist_says_once_a_run_where_bf16_is_emulated(tmp_path):
 @pytest.mark.parametrize("seed, precision", [(1, []), (2, []), (3, []), (1, ["--bf16"])])
 def test_a3c_dist_learns_cartpole_within_budget(seed, precision, tmp_path):
     tag = uuid.uuid4().hex
+    # OMP_NUM_THREADS as torchrun sets it, given: torchrun's own notice that it sets it is not printed
     proc = start_dist("--env", "cartpole", "--seed", str(seed), "--max-frames", str(BUDGET["a3c_dist"]), *precision,
-                      cwd=tmp_path, env=tagged_env(tag))
+                      cwd=tmp_path, env=dict(tagged_env(tag), OMP_NUM_THREADS="1"))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     result = summary(out)
     assert result["solved"] and result["mean_reward"] >= common.STOP_REWARDS["cartpole"], result
+    assert our_lines(err) == err.splitlines()   # no library's warnings
     assert_none_left(tag)
 
 
@@ -909,9 +911,10 @@ def test_a3c_dist_learns_cartpole_with_cuda_within_budget(tmp_path):
 
 @slow
 def test_a3c_dist_runs_on_pong_with_optimizer_steps_and_logs(tmp_path):
-    proc = start_dist("--max-frames", "600", "--envs", "3", cwd=tmp_path)
+    proc = start_dist("--max-frames", "600", "--envs", "3", cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
+    assert our_lines(err) == err.splitlines()   # no library's warnings or banners
     result = summary(out)
     assert result["script"] == "a3c_dist" and result["env"] == "pong" and result["train_frames"] > 0
     scalars = events(tmp_path)                         # rank 0 alone writes TensorBoard
