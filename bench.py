@@ -338,8 +338,8 @@ def print_compile_time(label, summary):
         print(f"{label}: first training step, with its compilation, {summary['first_step_seconds']:.1f} s")
 
 
-def main():
-    """Measure the ceilings, run the scripts, print the table."""
+def parse_args():
+    """The command line, checked; script_args: each script's own options (--envs, --processes)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--env", choices=sorted(common.ENV_IDS), default="pong")
     parser.add_argument("--cuda", action="store_true")
@@ -358,36 +358,38 @@ def main():
         parser.error("--cuda given, but no CUDA device is available")
     if args.profile and args.bf16:
         parser.error("--profile and --bf16 are two benches: run them one at a time")
-    device = torch.device("cuda" if args.cuda else "cpu")
     args.script_args = {s: [] for s in SCRIPTS}
     for script in SCRIPTS[1:]:
         args.script_args[script] += ["--envs", str(args.envs)] if args.envs else []
     for script in ["a3c_data", "a3c_grad"]:
         args.script_args[script] += ["--processes", str(args.processes)] if args.processes else []
+    args.scripts = [s for s in args.scripts if os.path.exists(os.path.join(HERE, f"{s}.py"))]
+    return args
 
+
+def measure_ceilings(args, device):
+    """Frames (samples) a second of the env alone and of each network's training step alone."""
     env = common.make_fast_env(args.env, 1)
     space, n_actions = env.single_observation_space, env.single_action_space.n
     env.close()
-    dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
     ceilings = {
         "env": env_ceiling(args.env, 8, args.seconds),
-        f"env, {dqn_envs} envs": env_ceiling(args.env, dqn_envs, args.seconds),
+        f"env, {args.dqn_envs} envs": env_ceiling(args.env, args.dqn_envs, args.seconds),
         "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     if args.bf16:
         ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
         ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
-    machine = f"{cpu_model()}, {os.cpu_count()} cores"
-    if args.cuda:
-        machine += f", {torch.cuda.get_device_name()}"
-    if args.bf16:
-        machine += f"; bf16 {'native' if runs.bf16_native(device) else 'EMULATED (slower than fp32)'}"
-    command = " ".join(["python bench.py"] + sys.argv[1:])
-    print(f"Machine: {machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
-          f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {command}")
+    return ceilings
+
+
+def print_machine_and_ceilings(args, ceilings):
+    """The lines above the table: the machine, versions, commit, date, command, ceilings."""
+    print(f"Machine: {args.machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
+          f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {args.command}")
     print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s, "
-          f"with {dqn_envs} envs {ceilings[f'env, {dqn_envs} envs']:.0f}; "
+          f"with {args.dqn_envs} envs {ceilings[f'env, {args.dqn_envs} envs']:.0f}; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
           f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s")
     if args.bf16:
@@ -395,41 +397,50 @@ def main():
               f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
     print()
 
+
+def warmup_frames(args, script):
+    """Frames a script plays before its first training step: a DQN's replay warm-up."""
+    return dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
+
+
+def bench_bf16(args):
+    """Each script in fp32, then with --bf16: the table of both and their ratio."""
+    rows = []
+    for script in args.scripts:
+        fp32 = run_script(script, args, warmup_frames(args, script))
+        print(f"  {script}: {json.dumps(fp32)}", file=sys.stderr, flush=True)
+        print_compile_time(script, fp32)
+        mixed = run_script(script, args, warmup_frames(args, script), bf16=True)
+        print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
+        print_compile_time(f"{script} --bf16", mixed)
+        rows.append((script, fp32, mixed))
+    print("| script | train fps, fp32 | train fps, bf16 | bf16 vs fp32 | peak RSS, fp32 / bf16 |")
+    print("|---|---:|---:|---:|---:|")
+    for script, fp32, mixed in rows:
+        print(f"| {script} | {fp32['train_fps']:.0f} | {mixed['train_fps']:.0f} "
+              f"| {mixed['train_fps'] / fp32['train_fps']:.2f}x "
+              f"| {fp32['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |")
+
+
+def bench_speed(args, ceilings):
+    """Each script's train fps against dqn_baseline's and its ceiling, and, with --profile, under
+    py-spy: the table, and where each process's time goes."""
     rows, baseline, profiles = [], None, {}
     for script in args.scripts:
-        path = os.path.join(HERE, f"{script}.py")
-        if not os.path.exists(path):
-            continue
-        warmup = dqn_fast.HYPERPARAMS[args.env]["replay_start"] if script.startswith("dqn") else 0
-        summary = run_script(script, args, warmup)
+        summary = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
         print_compile_time(script, summary)
-        if args.bf16:
-            mixed = run_script(script, args, warmup, bf16=True)
-            print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
-            print_compile_time(f"{script} --bf16", mixed)
-            rows.append((script, summary, mixed))
-            continue
-        bounds = ["DQN net", f"env, {dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", "env"]
-        bound = min(bounds, key=ceilings.get)
+        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", "env"]
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         if args.profile:
             with tempfile.TemporaryDirectory() as folder:
-                profiles[script], output = profile(script_command(script, args, warmup), os.path.join(folder, "raw"),
+                profiles[script], output = profile(script_command(script, args, warmup_frames(args, script)),
+                                                   os.path.join(folder, "raw"),
                                                    child_name=CHILD_NAMES.get(script, "child"))
             last = next(line for line in reversed(output.splitlines()) if line.startswith("{"))   # not py-spy's
             summary["profiled_fps"] = json.loads(last)["train_fps"]
-        rows.append((script, summary, bound))
-
-    if args.bf16:
-        print("| script | train fps, fp32 | train fps, bf16 | bf16 vs fp32 | peak RSS, fp32 / bf16 |")
-        print("|---|---:|---:|---:|---:|")
-        for script, summary, mixed in rows:
-            print(f"| {script} | {summary['train_fps']:.0f} | {mixed['train_fps']:.0f} "
-                  f"| {mixed['train_fps'] / summary['train_fps']:.2f}x "
-                  f"| {summary['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |")
-        return
+        rows.append((script, summary, min(bounds, key=ceilings.get)))
     print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |"
           + (" train fps under py-spy |" if args.profile else ""))
     print("|---|---:|---:|---:|---:|" + ("---:|" if args.profile else ""))
@@ -439,13 +450,35 @@ def main():
         print(f"| {script} | {summary['train_fps']:.0f} | {ratio} | {fraction:.0%} ({bound}) "
               f"| {summary['peak_rss'] / 2**30:.2f} GiB |" + (f" {summary['profiled_fps']:.0f} |" if args.profile else ""))
     if args.profile:
-        print("\nWhere each process's main thread spends its time (py-spy, idle time counted; start-up "
-              "imports, the resource tracker and the torchrun agent left out"
-              + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "") + "):\n")
-        print(shares_table(profiles))
-        named = command.replace(args.png, os.path.basename(args.png))   # the command, not this machine's folders
-        draw_profiles(profiles, args.png, f"{machine}; torch {torch.__version__}; commit {commit()}; {named}")
-        print(f"\n{args.png}: the same, drawn")
+        print_profiles(args, profiles)
+
+
+def print_profiles(args, profiles):
+    """Where each process's time goes: the table, and the PNG at --png."""
+    print("\nWhere each process's main thread spends its time (py-spy, idle time counted; start-up "
+          "imports, the resource tracker and the torchrun agent left out"
+          + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "") + "):\n")
+    print(shares_table(profiles))
+    named = args.command.replace(args.png, os.path.basename(args.png))   # the command, not this machine's folders
+    draw_profiles(profiles, args.png, f"{args.machine}; torch {torch.__version__}; commit {commit()}; {named}")
+    print(f"\n{args.png}: the same, drawn")
+
+
+def main():
+    """Measure the ceilings, then the scripts: their speed (and profiles), or fp32 against bf16."""
+    args = parse_args()
+    device = torch.device("cuda" if args.cuda else "cpu")
+    args.dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
+    args.command = " ".join(["python bench.py"] + sys.argv[1:])
+    args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if args.cuda else "")
+    if args.bf16:
+        args.machine += f"; bf16 {'native' if runs.bf16_native(device) else 'EMULATED (slower than fp32)'}"
+    ceilings = measure_ceilings(args, device)
+    print_machine_and_ceilings(args, ceilings)
+    if args.bf16:
+        bench_bf16(args)
+    else:
+        bench_speed(args, ceilings)
 
 
 if __name__ == "__main__":
