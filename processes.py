@@ -20,12 +20,9 @@ class ProcessLost(Exception):
 
 # ---------------------------------------------------------------- child processes
 class ChildProcesses:
-    """Children started with spawn, each running target(*args, send=send) with a pipe of its own to this
-    process. send(message) returns once this process has taken the message: a child runs at most one
-    message ahead of its reader on every OS, whatever the pipe's buffer holds. Iterating yields what
-    the children send, and raises ProcessLost as soon as a child is dead, however it died: a
-    child killed mid-message gives EOF on its own pipe, never a reader that waits forever.
-    Leaving the with-block stops them all: none is left behind."""
+    """Children started with spawn, each running target(*args, send=send) on a pipe of its own; send
+    returns once this process has taken the message. Iterating yields the messages and raises
+    ProcessLost once a child is dead; leaving the with-block ends them all (docs/HOW.md)."""
 
     def __init__(self, target, children):
         """children: {name: args} for each child process."""
@@ -103,12 +100,9 @@ def _child_main(target, args, pipe):
 
 # ---------------------------------------------------------------- shared memory
 def share_memory(parser, *shared, page_locked=False):
-    """Move each tensor, network or SharedWeights into shared memory, before any child starts, and
-    with page_locked (--cuda) page-lock this process's mapping of it. Where there is not room for
-    them all (Docker gives /dev/shm 64 MB), the run stops here with one line that says what it
-    needs, what is free and the cure, and exit code 2. Linux counts the room in /dev/shm first; on
-    every OS torch's own failure is caught (macOS and Windows share through files, with no /dev/shm
-    to count)."""
+    """Move each tensor, network or SharedWeights into shared memory before any child starts (with
+    page_locked, page-lock this process's mapping too). Too little room (Docker gives /dev/shm 64 MB),
+    counted first on Linux or as torch fails anywhere, stops the run with one line and exit code 2."""
     tensors = [tensor for item in shared for tensor in _tensors(item)]
     needed, free = sum(tensor.nbytes for tensor in tensors), shm_free()
     if free is not None and needed > free:
@@ -151,13 +145,9 @@ def shm_short(needed, free, error=None):
 
 
 def page_lock(tensor):
-    """Page-lock this process's mapping of a shared CPU tensor, on Linux, so that copies between it
-    and the GPU go straight to memory, not through a staging buffer of the driver's. Each process
-    maps shared memory at addresses of its own, so each locks its own mapping, once. A refusal
-    raises: CUDA would otherwise report it at the next kernel launch, as that kernel's error. The
-    lock ends with the tensor: one that outlived its memory would hold the old pages, and the GPU's
-    copies into a later tensor at the same addresses would land there, unseen. Elsewhere the copies
-    go through pageable memory (Windows' drivers limit page-locked memory)."""
+    """Page-lock this process's own mapping of a shared CPU tensor, on Linux, until the tensor is freed:
+    copies to and from the GPU then skip the driver's staging buffer. A refusal raises now, not at
+    the next kernel launch. Why each process, and why not elsewhere: docs/HOW.md."""
     if sys.platform != "linux" or tensor.is_pinned():
         return
     cudart = torch.cuda.cudart()
@@ -167,17 +157,9 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The main process's weights where its children read them when they act on a GPU. The book shares
-    the CUDA network itself (CUDA IPC, which Windows lacks); here no CUDA tensor crosses a process
-    boundary: one flat tensor in shared CPU memory (share_memory puts it there), which the main
-    process publishes its weights into after each optimizer step, and from which each child
-    refreshes a network of its own on its device.
-
-    A version orders the copies, as a seqlock does: a publish makes it odd, writes, and makes it
-    even. A child copies the weights into a staging buffer between two reads of the version, and
-    installs the copy in its network only if the version did not move: no child acts with a torn
-    copy. The version is a multiprocessing.Value, whose lock is a full memory barrier on every OS
-    (a plain shared integer is not ordered on ARM)."""
+    """The main process's weights in one flat shared CPU tensor, for children that act on a GPU (no
+    CUDA tensor crosses a process boundary: Windows lacks CUDA IPC). A version, as in a seqlock, keeps
+    a child from installing a copy that a publish overlapped (docs/HOW.md)."""
 
     def __init__(self, net):
         self.net = copy.deepcopy(net).to("meta")   # the children's template: the architecture without its values
