@@ -91,8 +91,8 @@ def frame_ms(env_name, env):
 
 
 def has_display():
-    """Whether a window can open: on macOS and Windows always, elsewhere where an X or Wayland display
-    is set (or SDL, which draws the window, is told which video driver to use)."""
+    """Whether a window can open: on macOS and Windows taken to be so, elsewhere where an X or Wayland
+    display is set (or SDL, which draws the window, is told which video driver to use)."""
     if sys.platform in ("darwin", "win32"):
         return True
     return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER"))

@@ -6,6 +6,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import errno
 import json
 import logging
 import os
@@ -20,7 +21,6 @@ import types
 import numpy as np
 import torch
 import torch.distributed
-from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from torch.utils.tensorboard import SummaryWriter
 
 import common
@@ -47,8 +47,12 @@ class WriteFailed(Exception):
 def save_whole(obj, path):
     """torch.save obj to path through a temporary in the same folder, flushed to the disk, then
     renamed over path: a kill at any moment leaves the old file or the new one, never part of one.
-    A write that fails removes its temporary and raises WriteFailed."""
-    temporary = path + ".tmp"
+    A write that fails, or would plainly not fit, removes its temporary and raises WriteFailed."""
+    temporary, needed, folder = path + ".tmp", nbytes(obj), os.path.dirname(path) or "."
+    free = free_bytes(folder)
+    if free is not None and free < needed:   # not a disk filled to the last byte, to fail
+        raise WriteFailed(f"cannot write {path} ({os.strerror(errno.ENOSPC)}): it needs about {size(needed)}, "
+                          f"{size(free)} free")
     try:
         with open(temporary, "wb") as f:
             torch.save(obj, f)
@@ -58,21 +62,23 @@ def save_whole(obj, path):
     except BaseException as error:
         with contextlib.suppress(OSError):   # none was made if open failed
             os.remove(temporary)
-        if isinstance(error, (OSError, RuntimeError)):   # RuntimeError: torch's zip writer, on a full disk
-            raise WriteFailed(f"cannot write {path} ({why(error)}): it needs about {size(nbytes(obj))}, "
-                              f"{size(free_bytes(path))} free") from None
+        if os_error(error):   # torch's zip writer raises a RuntimeError of its own over the OSError
+            raise WriteFailed(f"cannot write {path} ({why(error)}): it needs about {size(needed)}, "
+                              f"{size(free_bytes(folder))} free") from None
         raise
 
 
+def os_error(error):
+    """The OSError that error is, or that raised it (its cause or context), else None."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def why(error):
-    """The reason in words: that of an OSError on the way (No space left on device, where torch's zip
-    writer raises a RuntimeError of its own), else the first line of what was raised."""
-    cause = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
-        cause = cause.__cause__ or cause.__context__
-    return str(error).strip().splitlines()[0]
+    """The reason in words: that of the OSError behind it (No space left on device), else its first line."""
+    cause = os_error(error)
+    return cause.strerror if cause is not None and cause.strerror else str(error).strip().splitlines()[0]
 
 
 def nbytes(obj):
@@ -88,18 +94,25 @@ def nbytes(obj):
 
 def full_size(obj):
     """Bytes that obj's state takes in a checkpoint at its largest: a buffer's whole arrays (only their
-    filled part is saved), the tensors of any other state_dict."""
+    filled part is saved), Adam's two moments of every parameter, the tensors of any other state_dict."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return 2 * sum(param.nbytes for group in obj.param_groups for param in group["params"])
     arrays = [value for value in vars(obj).values() if isinstance(value, (np.ndarray, torch.Tensor))]
     return sum(array.nbytes for array in arrays) if arrays else nbytes(obj.state_dict())
 
 
-def free_bytes(path):
-    """Bytes free on the disk that holds path's folder."""
-    return shutil.disk_usage(os.path.dirname(path) or ".").free
+def free_bytes(folder):
+    """Bytes free on the disk that holds folder; None where that cannot be read."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def size(count):
-    """Bytes in words: 3.5 GB, 12.3 MB, 420.1 kB."""
+    """Bytes in words: 3.5 GB, 12.3 MB, 420.1 kB; ? where unknown."""
+    if count is None:
+        return "?"
     if count >= 1e9:
         return f"{count / 1e9:.1f} GB"
     return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{count / 1e3:.1f} kB"
@@ -112,6 +125,8 @@ class EventWriter:
     def __init__(self, log_dir, purge_step, warn):
         self.log_dir, self.warn = log_dir, warn
         self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+        if threading.excepthook is not quiet_writer_thread:
+            quiet_writer_thread.excepthook, threading.excepthook = threading.excepthook, quiet_writer_thread
 
     def add_scalar(self, tag, value, step):
         self._call("add_scalar", tag, value, step)
@@ -130,17 +145,14 @@ class EventWriter:
         except OSError as error:
             self.writer = None
             self.warn(f"cannot write the TensorBoard events in {self.log_dir} ({why(error)}), "
-                      f"{size(free_bytes(os.path.join(self.log_dir, 'events')))} free: the run goes on, unlogged")
+                      f"{size(free_bytes(self.log_dir))} free: the run goes on, unlogged")
 
 
-def quiet_writer_thread(args, excepthook=threading.excepthook):
-    """threading.excepthook that leaves a TensorBoard writer thread's failed write to EventWriter's one
-    line, with no traceback of its own."""
-    if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)):
-        excepthook(args)
-
-
-threading.excepthook = quiet_writer_thread
+def quiet_writer_thread(args):
+    """threading.excepthook that leaves a failed write of TensorBoard's writer thread to EventWriter's
+    one line, with no traceback of its own; anything else goes to the hook it replaced."""
+    if not (type(args.thread).__module__.startswith("tensorboard") and isinstance(args.exc_value, OSError)):
+        quiet_writer_thread.excepthook(args)
 
 
 def rng_states(device):
@@ -201,7 +213,11 @@ class RewardTracker:
         if self.args.resume:
             print(f"going on with {self.log_dir} from frame {self.frames}: segment {self.segment + 1}", flush=True)
         # on resume, readers drop what the stopped run logged after its checkpoint: no curve doubles back
-        self.writer = EventWriter(self.log_dir, self.frames + 1 if self.args.resume else None, self.warn)
+        try:
+            self.writer = EventWriter(self.log_dir, self.frames + 1 if self.args.resume else None, self.warn)
+        except OSError as error:   # a disk that filled since the check at start-up
+            print(f"{self.args.script}.py: error: cannot make {self.log_dir} ({why(error)})", file=sys.stderr)
+            sys.exit(2)
         if self.args.checkpoint_minutes:
             self.check_room()
         self.start = self.updated = time.perf_counter()
@@ -217,7 +233,7 @@ class RewardTracker:
         new one is written beside the one it replaces."""
         checkpoint = sum(full_size(obj) for obj in self.saved.values())
         path = os.path.join(self.log_dir, CHECKPOINT)
-        free = free_bytes(path) + (os.path.getsize(path) if os.path.isfile(path) else 0)
+        free = (free_bytes(self.log_dir) or 0) + (os.path.getsize(path) if os.path.isfile(path) else 0)
         if free < 2 * checkpoint:
             self.warn(f"{self.log_dir} has {size(free)} free, and this run's checkpoint takes up to "
                       f"{size(checkpoint)}, twice that while a new one replaces it: run from a folder on a "
@@ -242,8 +258,8 @@ class RewardTracker:
             try:
                 self.save_checkpoint()
             except WriteFailed as error:   # the run can go on: the next try comes at the next interval
-                self.warn(f"{error}: the checkpoint before it stays, the run goes on and tries again in "
-                          f"{self.args.checkpoint_minutes:g} minutes")
+                self.warn(f"{error}: the checkpoint before it stays, the run goes on and tries again "
+                          f"after {interval:g} s")
         return (stop_signal is not None or self.solved or
                 (self.args.max_frames is not None and frames >= self.args.max_frames))
 
@@ -274,6 +290,7 @@ class RewardTracker:
         so that any machine can load them."""
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
         mean = float(np.mean(self.rewards)) if self.rewards else None
+        self.writer.flush()   # the events first: a best.pt that fills the disk fails alone
         try:
             save_whole(dict(self.model_info, frames=self.frames, mean_reward=mean, state_dict=state),
                        os.path.join(self.log_dir, "best.pt"))
@@ -376,7 +393,8 @@ class RewardTracker:
             except WriteFailed as error:   # a solve stays a solve; any other stop could not keep its state
                 print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr,
                       flush=True)
-                self.exit_code = self.exit_code if self.solved or self.exit_code == 1 else 2
+                if not self.solved and self.exit_code != 1:   # a lost child stays the reason it ended
+                    self.exit_code = 2
         if self.best_mean is None:  # no full window yet: the latest model is the best we know
             self.save_model()
         self.writer.close()

@@ -88,7 +88,7 @@ def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_g
     assert re.fullmatch(ROOM, lines[0]), lines[0]
     for line in lines[1:-1]:   # a try at each interval of 0.3 s, one line each; the run went on
         assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
-                            r"stays, the run goes on and tries again in 0.005 minutes", line), line
+                            r"stays, the run goes on and tries again after 0.3 s", line), line
     result = summary(out)
     assert result["frames"] >= 8000 and not result["solved"]
     assert len(lines) - 2 <= result["seconds"] / 0.3 + 1
