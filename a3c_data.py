@@ -121,18 +121,26 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
+    tracker = runs.RewardTracker(args, net, env)
+    frames = 0   # played in all, over the whole run
+
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
+    if args.resume:   # go on where the stopped run was: its states, random generators and counter
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        frames = counters["frames"]
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
     processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
     workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
-    batch, frames = [], tracker.frames
+    batch = []
 
-    with tracker, processes.ChildProcesses(data_func, workers) as messages:
+    with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(data_func, workers) as messages:
         for states, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
-            if tracker.update(frames, episodes):
+            tracker.update(frames, episodes)
+            if run.should_stop():
                 break
             # the main process only trains: it stacks micro-batches from all workers into one batch
             batch.append((states, actions, ref_vals))
@@ -149,5 +157,5 @@ if __name__ == "__main__":
             optimizer.step()
             if args.cuda:
                 weights.publish(net)
-            tracker.trained(loss=stats["loss_total"], **stats)
-    sys.exit(tracker.exit_code)
+            tracker.record_step(loss=stats["loss_total"], **stats)
+    sys.exit(run.exit_code)

@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import processes
 import runs
 
 # ---------------------------------------------------------------- hyperparameters
@@ -124,12 +123,10 @@ def mean_stats(stats_list, samples):
             for name in stats_list[0]}
 
 
-def exchange(grads, report):
-    """The sum of grads over every rank, and every rank's report (samples, loss stats, frames, up to
-    MAX_EPISODES episodes, stop), in rank order. One all_reduce carries both, each report in a
-    row of its own, zeros in the others' (a collective of their own cost 3 to 8% of a step:
-    docs/RESULTS.md). A rank that is gone, or silent for TIMEOUT, ends the run."""
-    samples, stats, frames, episodes, stop = report
+def exchange(grads, samples, stats, frames, episodes, stop):
+    """The sum of grads over every rank, and every rank's report of the rest, in rank order: one all_reduce
+    carries both, each report in a row of its own, zeros in the others' (a collective of their own cost
+    3 to 8% of a step: docs/RESULTS.md). A rank that is gone, or silent for TIMEOUT, ends the run."""
     row = [samples, frames, stop, *stats.values(), *(x for episode in episodes for x in episode)]
     rows = torch.zeros(dist.get_world_size(), 3 + len(stats) + 2 * MAX_EPISODES)
     rows[dist.get_rank(), :len(row)] = torch.tensor(row)
@@ -137,13 +134,12 @@ def exchange(grads, report):
     try:
         dist.all_reduce(msg)
     except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
-        raise processes.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
+        raise runs.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
     reports = []
     for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
         values, flat = rest[:len(stats)], rest[len(stats):]
         rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
-        rank_stats = dict(zip(stats, values))
-        reports.append((int(rank_samples), rank_stats, int(rank_frames), rank_episodes, bool(rank_stop)))
+        reports.append((int(rank_samples), dict(zip(stats, values)), int(rank_frames), rank_episodes, bool(rank_stop)))
     return msg[:len(grads)], reports
 
 
@@ -178,31 +174,37 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, args.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer)) if rank == 0 else \
-        runs.SilentTracker(args, rank)   # rank 0's, with --resume, restores net and optimizer
-    share_weights(net, optimizer)   # every rank starts from rank 0's
-    episodes, stop, frames = [], False, tracker.frames
+    tracker = runs.RewardTracker(args, net, env) if rank == 0 else runs.SilentTracker()   # rank 0 records the run
+    frames = 0   # played in all, over the whole run
 
-    with tracker:
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
+    if args.resume and rank == 0:   # go on where the stopped run was: rank 0 reads the checkpoint
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        frames = counters["frames"]
+    share_weights(net, optimizer)   # every rank starts from rank 0's
+    episodes, stop = [], False
+
+    with runs.Run(args, tracker, checkpoint_contents, rank) as run:
         for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
             episodes += new_episodes
-            # every rank sums every rank's gradient and applies the same step: the weights stay equal;
-            # the same all_reduce brings every rank's report
+            # every rank sums every rank's gradient (and report) and applies the same step: the weights stay equal
             grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
-            grads, reports = exchange(grads, (samples, stats, new_frames, episodes[:MAX_EPISODES], stop))
+            grads, reports = exchange(grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop)
             del episodes[:MAX_EPISODES]
             samples_list, stats_list, frames_list, finished, stops = zip(*reports)
             if stops[0]:  # rank 0's word, one step after it decided, on every rank at once
                 break
             frames += sum(frames_list)
-            stop = tracker.update(frames, sum(finished, []))
+            tracker.update(frames, sum(finished, []))
+            stop = run.should_stop()
             mean_grads(net, grads, samples_list, device)
             stats = mean_stats(stats_list, samples_list)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
-            tracker.trained(loss=stats["loss_total"], **stats)
+            tracker.record_step(loss=stats["loss_total"], **stats)
     dist.destroy_process_group()
     # os._exit, not sys.exit: gloo's threads may still be releasing the last collective's tensors,
     # which takes the GIL, and Python's finalization under them aborts the process (SIGABRT)
-    os._exit(tracker.exit_code)
+    os._exit(run.exit_code)

@@ -147,7 +147,14 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
-    tracker = runs.RewardTracker(args, net, env, dict(net=net, optimizer=optimizer))   # --resume restores them
+    tracker = runs.RewardTracker(args, net, env)
+    frames = 0   # played in all, over the whole run
+
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
+    if args.resume:   # go on where the stopped run was: its states, random generators and counter
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        frames = counters["frames"]
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
@@ -157,14 +164,15 @@ if __name__ == "__main__":
     step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(args.processes)))
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
                for i in range(args.processes)}
-    filled_slots, frames = {}, tracker.frames   # worker id: (samples, loss stats) of the gradient in its slot
+    filled_slots = {}   # worker id: (samples, loss stats) of the gradient in its slot
 
-    with tracker, processes.ChildProcesses(grads_func, workers) as messages:
+    with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(grads_func, workers) as messages:
         for step_sender in step_senders:
             step_sender.send(None)  # step 0, the initial weights: every worker takes its first gradient
         for worker_id, samples, stats, new_frames, episodes in messages:
             frames += new_frames
-            if tracker.update(frames, episodes):
+            tracker.update(frames, episodes)
+            if run.should_stop():
                 break
             # the main process only applies gradients: it averages one from each worker into one step
             filled_slots[worker_id] = samples, stats
@@ -181,5 +189,5 @@ if __name__ == "__main__":
                 weights.publish(net)
             for step_sender in step_senders:
                 step_sender.send(None)  # after the weights: a worker that hears of the step finds them
-            tracker.trained(loss=stats["loss_total"], **stats)
-    sys.exit(tracker.exit_code)
+            tracker.record_step(loss=stats["loss_total"], **stats)
+    sys.exit(run.exit_code)

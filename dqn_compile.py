@@ -236,19 +236,29 @@ if __name__ == "__main__":
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
         params.gamma, seed=args.seed, overlap=overlap)
-    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
+    tracker = runs.RewardTracker(args, net, env)
+    train_steps = 0   # over the whole run: the target net syncs every target_sync of them
 
-    with runs.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
-        set_capturable(optimizer, device)   # after a restore, before the first compiled step
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
+                    exp_source=exp_source, train_steps=train_steps)
+    if args.resume:   # go on where the stopped run was: its states, random generators and counters
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        train_steps = counters["train_steps"]
+    set_capturable(optimizer, device)   # after a restore, before the first compiled step
+
+    with runs.Run(args, tracker, checkpoint_contents) as run:
         for exps in exp_source:
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
-            if tracker.update(exp_source.frames, exp_source.pop_episodes()):
+            tracker.update(exp_source.frames, exp_source.pop_episodes())
+            if run.should_stop():
                 break
             if len(buffer) < params.replay_start:
                 continue
             loss = step()
-            tracker.trained(loss=loss, epsilon=epsilon)   # counts the training step
-            if tracker.train_steps % params.target_sync == 0:
+            train_steps += 1
+            tracker.record_step(loss=loss, epsilon=epsilon)
+            if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-    sys.exit(tracker.exit_code)
+    sys.exit(run.exit_code)

@@ -104,14 +104,23 @@ if __name__ == "__main__":
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     agent = DQNAgent(net, epsilon_by_frame(params, 0), device)
     exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
-    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, exp_source=exp_source)
+    tracker = runs.RewardTracker(args, net, env)
+    train_steps = 0   # over the whole run: the target net syncs every target_sync of them
 
-    with runs.RewardTracker(args, net, env, saved) as tracker:   # with --resume, restores what is saved
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
+                    exp_source=exp_source, train_steps=train_steps)
+    if args.resume:   # go on where the stopped run was: its states, random generators and counters
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        train_steps = counters["train_steps"]
+
+    with runs.Run(args, tracker, checkpoint_contents) as run:
         for exps in exp_source:
             for exp in exps:
                 buffer.append(exp)
             agent.epsilon = epsilon_by_frame(params, exp_source.frames)
-            if tracker.update(exp_source.frames, exp_source.pop_episodes()):
+            tracker.update(exp_source.frames, exp_source.pop_episodes())
+            if run.should_stop():
                 break
             if len(buffer) < params.replay_start:
                 continue
@@ -121,7 +130,8 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.trained(loss=loss, epsilon=agent.epsilon)   # counts the training step
-            if tracker.train_steps % params.target_sync == 0:
+            train_steps += 1
+            tracker.record_step(loss=loss, epsilon=agent.epsilon)
+            if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-    sys.exit(tracker.exit_code)
+    sys.exit(run.exit_code)

@@ -92,8 +92,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 def play_func(params, args, weights, frames, *, send):
-    """Child process: play the envs with the main process's net (its published weights on a GPU),
-    from frame count frames (a resumed run's), send every step's experience."""
+    """Child process: from frame count frames on, play with the main process's net, send every step's experience."""
     torch.set_num_threads(1)   # the cores belong to the main process and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -122,19 +121,29 @@ if __name__ == "__main__":
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
-    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
-    tracker = runs.RewardTracker(args, net, env, saved)   # with --resume, restores what is saved: before it is shared
+    tracker = runs.RewardTracker(args, net, env)
+    train_steps = 0   # over the whole run: the target net syncs every target_sync of them
+    frames = 0       # played, as the play process counts them: a resumed one goes on from there
+
+    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+        return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
+                    frames=frames, train_steps=train_steps)
+    if args.resume:   # go on where the stopped run was: its states, random generators and counters
+        counters = runs.restore(args.resume, checkpoint_contents(), device)
+        train_steps = counters["train_steps"]
+        frames = counters["frames"]
     # the play process acts with this net itself on the CPU, as the optimizer steps change it; on a
     # GPU with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
     processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
-    children = {"play process": (params, args, weights, tracker.frames)}   # a resumed run's frames, and epsilon
+    children = {"play process": (params, args, weights, frames)}   # a resumed run's frames, and epsilon
 
-    with tracker, processes.ChildProcesses(play_func, children) as messages:
+    with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(play_func, children) as messages:
         for exps, frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)
-            if tracker.update(frames, episodes):
+            tracker.update(frames, episodes)
+            if run.should_stop():
                 break
             if len(buffer) < params.replay_start:
                 continue
@@ -144,9 +153,10 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            tracker.trained(loss=loss, epsilon=epsilon_by_frame(params, frames))   # the play process sets its own
-            if tracker.train_steps % params.target_sync == 0:
+            train_steps += 1
+            tracker.record_step(loss=loss, epsilon=epsilon_by_frame(params, frames))   # the play process sets its own
+            if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
             if args.cuda:
                 weights.publish(net)
-    sys.exit(tracker.exit_code)
+    sys.exit(run.exit_code)

@@ -12,17 +12,14 @@ import weakref
 
 import torch
 
-
-class ProcessLost(Exception):
-    """A process of the run is gone: a child, or under torchrun another rank. The tracker ends the
-    run with this error's one line and exit code 1."""
+import runs
 
 
 # ---------------------------------------------------------------- child processes
 class ChildProcesses:
     """Children started with spawn, each running target(*args, send=send) on a pipe of its own; send
     returns once this process has taken the message. Iterating yields the messages and raises
-    ProcessLost once a child is dead; leaving the with-block ends them all (docs/HOW.md)."""
+    runs.ProcessLost once a child is dead; leaving the with-block ends them all (docs/HOW.md)."""
 
     def __init__(self, target, children):
         """children: {name: args} for each child process."""
@@ -69,7 +66,7 @@ class ChildProcesses:
         proc.join(timeout=5)
         code = proc.exitcode
         signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
-        raise ProcessLost(f"{proc.name} exited with code {code}{signame}")
+        raise runs.ProcessLost(f"{proc.name} exited with code {code}{signame}")
 
     def __exit__(self, *exc):
         """Terminate the children and wait for them; kill those that do not end."""

@@ -1,7 +1,6 @@
-"""A run of a script, from its command line to its folder in runs/: the options every script takes
-and their checks (a working compiler among them), the stop that SIGINT and SIGTERM ask for, the
-reward tracker (TensorBoard, best.pt, the JSON summary, the exit code) and the checkpoint that
---resume goes on from."""
+"""A run's plumbing, which a script could do without: the options every script takes and their
+checks, what a run records (TensorBoard, best.pt, progress, the JSON summary), its checkpoint, and
+its stop on a signal or a lost process, with its exit code."""
 import argparse
 import collections
 import contextlib
@@ -24,24 +23,27 @@ import torch.distributed
 from torch.utils.tensorboard import SummaryWriter
 
 import common
-import processes
 
 CHECKPOINT = "checkpoint.pt"   # the whole run, in its folder: what --resume goes on from
+CHECKPOINT_FORMAT = 2          # what a checkpoint holds and how; a checkpoint of another format does not resume
 SEGMENT_SEED = 10_000          # a resumed run's k-th segment seeds its envs and children with seed + k * this
 LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for it
 stop_signal = None             # SIGINT or SIGTERM, once one has asked the run to stop
 
 
 def request_stop(signum, frame):
-    """SIGINT and SIGTERM handler: ask the run to stop. The tracker stops it at its next update, an
-    iteration boundary, so that the checkpoint it writes is consistent: nothing is cut mid-step."""
+    """SIGINT and SIGTERM handler: ask the run to stop, at its next check between steps."""
     global stop_signal
     stop_signal = stop_signal or signum
 
 
+class ProcessLost(Exception):
+    """A process of the run is gone (a child, another rank): the run ends with its line and exit code 1."""
+
+
+# ---------------------------------------------------------------- files
 class WriteFailed(Exception):
-    """A file of the run could not be written (a full disk, a read-only one); the message says which,
-    why, what it needed and what is free."""
+    """A file of the run could not be written; the message says which, why, what it needed and what is free."""
 
 
 def save_whole(obj, path):
@@ -85,20 +87,8 @@ def nbytes(obj):
     """Bytes of the tensors in obj, a tensor or dicts, lists and tuples of them."""
     if isinstance(obj, torch.Tensor):
         return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(nbytes(value) for value in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(value) for value in obj)
-    return 0
-
-
-def full_size(obj):
-    """Bytes that obj's state takes in a checkpoint at its largest: a buffer's whole arrays (only their
-    filled part is saved), Adam's two moments of every parameter, the tensors of any other state_dict."""
-    if isinstance(obj, torch.optim.Optimizer):
-        return 2 * sum(param.nbytes for group in obj.param_groups for param in group["params"])
-    arrays = [value for value in vars(obj).values() if isinstance(value, (np.ndarray, torch.Tensor))]
-    return sum(array.nbytes for array in arrays) if arrays else nbytes(obj.state_dict())
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return sum(nbytes(value) for value in values)
 
 
 def free_bytes(folder):
@@ -120,10 +110,10 @@ def size(count):
 
 class EventWriter:
     """TensorBoard's SummaryWriter, but a write that fails (a full disk) ends the logging with one
-    line, not the run. Its writer thread raises the failure at the next call; warn says it."""
+    line, not the run. Its writer thread raises the failure at the next call; warn() says it."""
 
-    def __init__(self, log_dir, purge_step, warn):
-        self.log_dir, self.warn = log_dir, warn
+    def __init__(self, log_dir, purge_step, args):
+        self.log_dir, self.args = log_dir, args
         self.writer = SummaryWriter(log_dir, purge_step=purge_step)
         if threading.excepthook is not quiet_writer_thread:
             quiet_writer_thread.excepthook, threading.excepthook = threading.excepthook, quiet_writer_thread
@@ -144,7 +134,7 @@ class EventWriter:
             getattr(self.writer, method)(*args)
         except OSError as error:
             self.writer = None
-            self.warn(f"cannot write the TensorBoard events in {self.log_dir} ({why(error)}), "
+            warn(self.args, f"cannot write the TensorBoard events in {self.log_dir} ({why(error)}), "
                       f"{size(free_bytes(self.log_dir))} free: the run goes on, unlogged")
 
 
@@ -153,6 +143,216 @@ def quiet_writer_thread(args):
     one line, with no traceback of its own; anything else goes to the hook it replaced."""
     if not (type(args.thread).__module__.startswith("tensorboard") and isinstance(args.exc_value, OSError)):
         quiet_writer_thread.excepthook(args)
+
+
+# ---------------------------------------------------------------- what a run records
+class RewardTracker:
+    """What a run records against frames: episodes and training scalars in TensorBoard, progress lines,
+    the mean of the last 100 episodes (solved at the env's bar), best.pt on a new best mean."""
+
+    def __init__(self, args, net, env):
+        self.args, self.clock, self.writer = args, Clock(), None
+        self.log_dir = args.resume or os.path.join(
+            "runs", "-".join(filter(None, [args.script, args.env, args.name, time.strftime("%Y%m%d-%H%M%S")])))
+        self.best_model = BestModel(args, net, env, os.path.join(self.log_dir, "best.pt"))
+        self.rewards, self.losses = collections.deque(maxlen=100), collections.deque(maxlen=100)
+        self.frames = self.episodes = self.steps = 0
+        self.best_mean, self.solved = None, False
+
+    def state_dict(self):
+        return dict(self.clock.state_dict(self.frames), frames=self.frames, episodes=self.episodes, steps=self.steps,
+                    rewards=[float(r) for r in self.rewards], losses=list(self.losses), best_mean=self.best_mean,
+                    solved=self.solved)
+
+    def load_state_dict(self, state):
+        self.frames, self.episodes, self.steps = state["frames"], state["episodes"], state["steps"]
+        self.rewards.extend(state["rewards"])
+        self.losses.extend(state["losses"])
+        self.best_mean, self.solved = state["best_mean"], state["solved"]
+        self.clock.load_state_dict(state)
+
+    def update(self, frames, episodes):
+        """Record the frame count and the finished (reward, steps) episodes; print progress now and then."""
+        self.frames, self.clock.updated = frames, time.perf_counter()
+        for reward, steps in episodes:
+            self.episodes += 1
+            self.rewards.append(reward)
+            mean = float(np.mean(self.rewards))
+            for name, value in (("reward", reward), ("avg_reward", mean), ("steps", steps),
+                                ("minutes", self.clock.run_seconds() / 60)):   # run time, over segments
+                self.writer.add_scalar(f"episodes/{name}", value, frames)
+            full = len(self.rewards) == self.rewards.maxlen   # judge only a full window of 100 episodes
+            if full and (self.best_mean is None or mean > self.best_mean):
+                self.best_mean = mean
+                self.best_model.save(self.writer, frames, mean)
+            self.solved = self.solved or full and mean >= common.STOP_REWARDS[self.args.env]
+            if self.clock.updated - self.last_print[1] >= 1.0 or self.solved:
+                fps = (frames - self.last_print[0]) / (self.clock.updated - self.last_print[1])
+                self.writer.add_scalar("train/avg_fps", fps, frames)
+                print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
+                self.last_print = (frames, self.clock.updated)
+            if self.solved:  # the run ends here: later episodes must not move the mean it solved at
+                break
+
+    def record_step(self, **scalars):
+        """Record a training step just taken; at the first and every LOG_EVERY steps after it, log its
+        scalars (floats or one-element tensors, read then); a loss also feeds train/avg_loss."""
+        self.steps += 1
+        self.clock.trained(self.frames)
+        if (self.steps - 1) % LOG_EVERY:
+            return
+        scalars = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in scalars.items()}
+        if "loss" in scalars:
+            self.losses.append(scalars["loss"])
+            scalars["avg_loss"] = float(np.mean(self.losses))
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"train/{name}", value, self.frames)
+
+
+class Clock:
+    """Run time over every segment, and training time: from the end of each segment's first training
+    step (dqn_compile's compile is timed apart)."""
+
+    def __init__(self):
+        self.before = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # the segments before this one
+        self.start = self.stopped = self.updated = self.train_start = self.first_step_seconds = None
+
+    def state_dict(self, frames):
+        train_frames, train_seconds = self.train_totals(frames)
+        return {"seconds": self.run_seconds(), "train_frames": train_frames, "train_seconds": train_seconds}
+
+    def load_state_dict(self, state):
+        self.before = {name: state[name] for name in self.before}
+
+    def trained(self, frames):
+        if self.train_start is None:   # the first training step of this segment
+            now = time.perf_counter()
+            self.first_step_seconds, self.train_start = now - self.updated, (frames, now)
+
+    def run_seconds(self):
+        return self.before["seconds"] + ((self.stopped or time.perf_counter()) - self.start if self.start else 0.0)
+
+    def train_totals(self, frames):
+        train_frames, seconds = self.before["train_frames"], self.before["train_seconds"]
+        if self.train_start is not None:
+            train_frames += frames - self.train_start[0]
+            seconds += (self.stopped or time.perf_counter()) - self.train_start[1]
+        return train_frames, seconds
+
+
+class BestModel:
+    """best.pt: what rebuilds the net (for play.py), the run's progress, and the weights as CPU tensors."""
+
+    def __init__(self, args, net, env, path):
+        self.args, self.net, self.path, self.unwritten = args, net, path, False
+        self.info = {"script": args.script, "env": args.env, "obs_shape": tuple(env.single_observation_space.shape),
+                     "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
+
+    def save(self, writer, frames, mean):
+        """Write it; a write that fails, one line until one succeeds."""
+        state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
+        writer.flush()   # the events first: a best.pt that fills the disk fails alone
+        try:
+            save_whole(dict(self.info, frames=frames, mean_reward=mean, state_dict=state), self.path)
+            self.unwritten = False
+        except WriteFailed as error:
+            if not self.unwritten:
+                warn(self.args, f"{error}: best.pt stays as it was, the run goes on")
+            self.unwritten = True
+
+
+class SilentTracker:
+    """RewardTracker's stand-in on a torchrun rank other than 0, which records nothing."""
+
+    def update(self, frames, episodes):
+        pass
+
+    def record_step(self, **scalars):
+        pass
+
+
+def warn(args, message):
+    print(f"{args.script}.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def summary(tracker):
+    """The run in numbers, over every segment, for the last line of output."""
+    seconds, (train_frames, train_seconds) = tracker.clock.run_seconds(), tracker.clock.train_totals(tracker.frames)
+    first_step = tracker.clock.first_step_seconds
+    return {"script": tracker.args.script, "env": tracker.args.env, "frames": tracker.frames,
+            "train_frames": train_frames, "episodes": tracker.episodes, "seconds": round(seconds, 1),
+            "fps": round(tracker.frames / seconds, 1),
+            "train_fps": round(train_frames / train_seconds, 1) if train_seconds else 0.0,
+            "first_step_seconds": None if first_step is None else round(first_step, 1),
+            "mean_reward": float(np.mean(tracker.rewards)) if tracker.rewards else None, "solved": tracker.solved}
+
+
+# ---------------------------------------------------------------- its checkpoint
+class Checkpoints:
+    """The run's checkpoint in its folder, every --checkpoint-minutes of run time and at the stop:
+    what the script's contents() lists (objects with state_dict(), plain counters), the options and
+    the random generators; tensors and plain types only, so that it loads with weights_only."""
+
+    def __init__(self, args, tracker, contents):
+        self.args, self.tracker, self.contents = args, tracker, contents
+        self.path, self.interval = os.path.join(tracker.log_dir, CHECKPOINT), args.checkpoint_minutes * 60
+        self.last = tracker.clock.run_seconds()
+
+    def check_room(self):
+        """One line where the disk has plainly too little room: a new checkpoint is written beside the old."""
+        needed, folder = full_size(self.contents()), self.tracker.log_dir
+        free = (free_bytes(folder) or 0) + (os.path.getsize(self.path) if os.path.isfile(self.path) else 0)
+        if free < 2 * needed:
+            warn(self.args, f"{folder} has {size(free)} free, and this run's checkpoint takes up to {size(needed)}, "
+                            "twice that while a new one replaces it: run from a folder on a larger disk, or give "
+                            "--checkpoint-minutes 0 (no checkpoints, none at the stop either: no --resume)")
+
+    def write_if_due(self):
+        if self.interval and self.tracker.clock.run_seconds() - self.last >= self.interval:
+            try:
+                self.write()
+            except WriteFailed as error:   # the run can go on: the next try comes at the next interval
+                warn(self.args, f"{error}: the checkpoint before it stays, the run goes on and tries again "
+                                f"after {self.interval:g} s")
+
+    def write(self):
+        started, self.last = time.perf_counter(), self.tracker.clock.run_seconds()
+        self.tracker.writer.flush()   # the events logged so far reach the disk first
+        options = dict(vars(self.args), seed=(self.args.seed - self.args.segment * SEGMENT_SEED) % 2 ** 30)  # the run's
+        checkpoint = {"format": CHECKPOINT_FORMAT, "script": self.args.script, "segments": self.args.segment + 1,
+                      "options": {name: value for name, value in options.items() if name not in ("resume", "segment")},
+                      "rng": rng_states(torch.device("cuda" if self.args.cuda else "cpu"))}
+        for name, value in self.contents().items():
+            checkpoint[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        save_whole(checkpoint, self.path)
+        print(f"{self.tracker.frames}: checkpoint written, {os.path.getsize(self.path) / 1e6:.1f} MB in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+
+
+def full_size(contents):
+    """Bytes that a checkpoint of contents takes at its largest: a buffer's whole arrays (only their
+    filled part is saved), Adam's two moments of every parameter, the tensors of any other state."""
+    total = 0
+    for value in contents.values():
+        if isinstance(value, torch.optim.Optimizer):
+            total += 2 * sum(param.nbytes for group in value.param_groups for param in group["params"])
+        elif hasattr(value, "state_dict"):
+            arrays = [array for array in vars(value).values() if isinstance(array, (np.ndarray, torch.Tensor))]
+            total += sum(array.nbytes for array in arrays) if arrays else nbytes(value.state_dict())
+    return total
+
+
+def restore(folder, contents, device):
+    """Restore the objects that contents lists, and the random generators, from the checkpoint in
+    folder; returns the counters it holds, for the script to take back. Nothing keeps the file mapped."""
+    checkpoint = torch.load(os.path.join(folder, CHECKPOINT), map_location="cpu", mmap=True, weights_only=True)
+    for name, value in contents.items():
+        if isinstance(value, torch.optim.Optimizer):   # it keeps the tensors it is given: copies, not the file's
+            value.load_state_dict(copy.deepcopy(checkpoint[name]))
+        elif hasattr(value, "load_state_dict"):
+            value.load_state_dict(checkpoint[name])
+    set_rng_states(checkpoint["rng"], device)
+    return {name: checkpoint[name] for name, value in contents.items() if not hasattr(value, "load_state_dict")}
 
 
 def rng_states(device):
@@ -169,269 +369,81 @@ def rng_states(device):
 def set_rng_states(states, device):
     """Restore rng_states(); CUDA's only where this segment runs on a GPU and the saved one did."""
     torch.set_rng_state(states["torch"])
-    saved = states["numpy"]
-    np.random.set_state(("MT19937", saved["keys"].numpy().astype(np.uint32), saved["pos"],
-                         saved["has_gauss"], saved["cached_gaussian"]))
+    numpy = states["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
     if device.type == "cuda" and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-class RewardTracker:
-    """Owns the run's folder and its TensorBoard writer: records episodes and training scalars
-    against frames, prints progress, decides when to stop, keeps the best model, writes the
-    checkpoint of the whole run and prints the final JSON summary. saved: {name: object with
-    state_dict()} (networks, optimizer, replay buffer, experience source), which the checkpoint holds
-    beside the tracker's counters. With --resume they are restored from it as the tracker is made:
-    make it before anything copies them (shared weights); the run's folder is made at __enter__."""
+# ---------------------------------------------------------------- its stop
+class Run:
+    """The with-block around a script's loop, which asks it between steps whether to stop. Every stop
+    ends at its exit: solved, --max-frames, Ctrl-C or SIGTERM (exit codes 130, 143), a lost process
+    (1, with one line); there the last checkpoint, best.pt if none yet, and the summary are written."""
 
-    def __init__(self, args, net, env, saved=None):
-        self.args, self.net, self.saved = args, net, dict(saved or {})
-        self.device = next(net.parameters()).device
-        # what play.py needs to rebuild the net, saved beside its weights
-        self.model_info = {"script": args.script, "env": args.env,
-                           "obs_shape": tuple(env.single_observation_space.shape),
-                           "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
-        self.stop_reward = common.STOP_REWARDS[args.env]
-        self.rewards = collections.deque(maxlen=100)
-        self.losses = collections.deque(maxlen=100)
-        self.frames = self.episodes = self.train_steps = self.segment = 0
-        self.best_mean = self.train_start = self.first_step_seconds = None
-        self.earlier = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # of the segments before this one
-        self.solved, self.exit_code, self.model_unwritten = False, 0, False
-        self.options = {name: value for name, value in vars(args).items() if name != "resume"}
-        if args.resume:
-            self.log_dir = args.resume
-            self.restore(torch.load(os.path.join(self.log_dir, CHECKPOINT), map_location="cpu", mmap=True,
-                                    weights_only=True))
-        else:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.log_dir = os.path.join("runs", "-".join(filter(None, [args.script, args.env, args.name, stamp])))
-        self.writer = self.start = self.stopped = None   # made where the run begins: __enter__
+    def __init__(self, args, tracker, contents, rank=0):
+        """contents: the script's function that lists what a checkpoint holds; rank: under torchrun,
+        only rank 0 records and writes."""
+        self.args, self.tracker, self.rank, self.exit_code = args, tracker, rank, 0
+        self.checkpoints = Checkpoints(args, tracker, contents) if rank == 0 else None
 
     def __enter__(self):
-        """The run begins: its folder and writer are made, its clock starts."""
+        """The run begins: its folder and TensorBoard writer are made, its clock starts."""
+        if self.rank:
+            return self
+        tracker = self.tracker
         if self.args.resume:
-            print(f"going on with {self.log_dir} from frame {self.frames}: segment {self.segment + 1}", flush=True)
-        # on resume, readers drop what the stopped run logged after its checkpoint: no curve doubles back
-        try:
-            self.writer = EventWriter(self.log_dir, self.frames + 1 if self.args.resume else None, self.warn)
+            print(f"going on with {tracker.log_dir} from frame {tracker.frames}: segment {self.args.segment + 1}",
+                  flush=True)
+        try:   # on resume, readers drop what the stopped run logged after its checkpoint: no curve doubles back
+            tracker.writer = EventWriter(tracker.log_dir, tracker.frames + 1 if self.args.resume else None, self.args)
         except OSError as error:   # a disk that filled since the check at start-up
-            print(f"{self.args.script}.py: error: cannot make {self.log_dir} ({why(error)})", file=sys.stderr)
+            print(f"{self.args.script}.py: error: cannot make {tracker.log_dir} ({why(error)})", file=sys.stderr)
             sys.exit(2)
         if self.args.checkpoint_minutes:
-            self.check_room()
-        self.start = self.updated = time.perf_counter()
-        self.last_print = (self.frames, self.start)
-        self.last_checkpoint = self.earlier["seconds"]
+            self.checkpoints.check_room()
+        tracker.clock.start = tracker.clock.updated = time.perf_counter()
+        tracker.last_print = (tracker.frames, tracker.clock.start)
+        self.checkpoints.last = tracker.clock.run_seconds()
         return self
 
-    def warn(self, message):
-        print(f"{self.args.script}.py: warning: {message}", file=sys.stderr, flush=True)
-
-    def check_room(self):
-        """Say so in one line where the disk has plainly too little room for this run's checkpoints: each
-        new one is written beside the one it replaces."""
-        checkpoint = sum(full_size(obj) for obj in self.saved.values())
-        path = os.path.join(self.log_dir, CHECKPOINT)
-        free = (free_bytes(self.log_dir) or 0) + (os.path.getsize(path) if os.path.isfile(path) else 0)
-        if free < 2 * checkpoint:
-            self.warn(f"{self.log_dir} has {size(free)} free, and this run's checkpoint takes up to "
-                      f"{size(checkpoint)}, twice that while a new one replaces it: run from a folder on a "
-                      "larger disk, or give --checkpoint-minutes 0 (no checkpoints, none at the stop either: "
-                      "no --resume)")
-
-    def run_seconds(self):
-        """Run time: this segment's seconds, to the stop, plus those of the segments before it."""
-        return self.earlier["seconds"] + (self.stopped or time.perf_counter()) - self.start
-
-    def update(self, frames, episodes):
-        """Record the frame count and finished (reward, steps) episodes; True when it is time to stop:
-        solved, --max-frames reached, or a stop asked by a signal. A call comes between iterations: a
-        checkpoint falls due here."""
-        self.frames, self.updated = frames, time.perf_counter()
-        for reward, steps in episodes:
-            self.episode(reward, steps)
-            if self.solved:  # the run ends here: later episodes must not move the mean it solved at
-                break
-        interval = self.args.checkpoint_minutes * 60
-        if interval and self.run_seconds() - self.last_checkpoint >= interval and stop_signal is None:
-            try:
-                self.save_checkpoint()
-            except WriteFailed as error:   # the run can go on: the next try comes at the next interval
-                self.warn(f"{error}: the checkpoint before it stays, the run goes on and tries again "
-                          f"after {interval:g} s")
-        return (stop_signal is not None or self.solved or
-                (self.args.max_frames is not None and frames >= self.args.max_frames))
-
-    def episode(self, reward, steps):
-        """Log one finished episode, print progress now and then, save the model on a new best mean."""
-        self.episodes += 1
-        self.rewards.append(reward)
-        mean = float(np.mean(self.rewards))
-        self.writer.add_scalar("episodes/reward", reward, self.frames)
-        self.writer.add_scalar("episodes/avg_reward", mean, self.frames)
-        self.writer.add_scalar("episodes/steps", steps, self.frames)
-        self.writer.add_scalar("episodes/minutes", self.run_seconds() / 60, self.frames)   # run time, over segments
-        full = len(self.rewards) == self.rewards.maxlen   # judge only a full window of 100 episodes
-        if full and (self.best_mean is None or mean > self.best_mean):
-            self.best_mean = mean
-            self.save_model()
-        self.solved = self.solved or (full and mean >= self.stop_reward)
-        now = time.perf_counter()
-        if now - self.last_print[1] >= 1.0 or self.solved:
-            fps = (self.frames - self.last_print[0]) / (now - self.last_print[1])
-            self.writer.add_scalar("train/avg_fps", fps, self.frames)
-            print(f"{self.frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s",
-                  flush=True)
-            self.last_print = (self.frames, now)
-
-    def save_model(self):
-        """Write best.pt: what rebuilds the net, the run's progress, and the weights as CPU tensors,
-        so that any machine can load them."""
-        state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
-        mean = float(np.mean(self.rewards)) if self.rewards else None
-        self.writer.flush()   # the events first: a best.pt that fills the disk fails alone
-        try:
-            save_whole(dict(self.model_info, frames=self.frames, mean_reward=mean, state_dict=state),
-                       os.path.join(self.log_dir, "best.pt"))
-            self.model_unwritten = False
-        except WriteFailed as error:
-            if not self.model_unwritten:   # one line until a write of it succeeds
-                self.warn(f"{error}: best.pt stays as it was, the run goes on")
-            self.model_unwritten = True
-
-    def trained(self, **scalars):
-        """Count a training step, just taken. At the first and every LOG_EVERY steps after it (1, 101,
-        201, ...), log its scalars (floats or one-element tensors, read then) as train/<name>; a loss
-        also feeds train/avg_loss."""
-        self.train_steps += 1
-        if self.train_start is None:  # the first training step (dqn_compile's compile) is timed apart
-            now = time.perf_counter()
-            self.first_step_seconds = now - self.updated
-            self.train_start = (self.frames, now)
-        if (self.train_steps - 1) % LOG_EVERY:
-            return
-        scalars = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in scalars.items()}
-        for name, value in scalars.items():
-            self.writer.add_scalar(f"train/{name}", value, self.frames)
-        if "loss" in scalars:
-            self.losses.append(scalars["loss"])
-            self.writer.add_scalar("train/avg_loss", np.mean(self.losses), self.frames)
-
-    def train_totals(self):
-        """Frames and seconds of training, over every segment: from the end of each one's first step."""
-        frames, seconds = self.earlier["train_frames"], self.earlier["train_seconds"]
-        if self.train_start is not None:
-            frames += self.frames - self.train_start[0]
-            seconds += (self.stopped or time.perf_counter()) - self.train_start[1]
-        return frames, seconds
-
-    def save_checkpoint(self):
-        """Write the whole run to its folder: the saved objects' state_dicts, the counters, the options
-        and the main process's random generators; tensors and plain types only, so that it loads with
-        weights_only. Events logged so far reach the disk first."""
-        self.writer.flush()
-        started = time.perf_counter()
-        train_frames, train_seconds = self.train_totals()
-        checkpoint = {
-            "script": self.args.script, "options": self.options, "segments": self.segment + 1,
-            "frames": self.frames, "episodes": self.episodes, "train_steps": self.train_steps,
-            "rewards": [float(r) for r in self.rewards], "losses": list(self.losses), "best_mean": self.best_mean,
-            "solved": self.solved, "seconds": self.run_seconds(), "train_frames": train_frames,
-            "train_seconds": train_seconds, "rng": rng_states(self.device),
-            "state": {name: obj.state_dict() for name, obj in self.saved.items()}}
-        path = os.path.join(self.log_dir, CHECKPOINT)
-        self.last_checkpoint = checkpoint["seconds"]
-        save_whole(checkpoint, path)
-        print(f"{self.frames}: checkpoint written, {os.path.getsize(path) / 1e6:.1f} MB in "
-              f"{time.perf_counter() - started:.1f} s", flush=True)
-
-    def restore(self, checkpoint):
-        """Go on from a checkpoint: the saved objects' states, the counters, the generators."""
-        for name, obj in self.saved.items():
-            state = checkpoint["state"][name]
-            if isinstance(obj, torch.optim.Optimizer):   # it keeps the tensors it is given: copies, not views of the file
-                state = copy.deepcopy(state)
-            obj.load_state_dict(state)
-        self.options, self.segment = checkpoint["options"], checkpoint["segments"]
-        self.frames, self.episodes = checkpoint["frames"], checkpoint["episodes"]
-        self.train_steps, self.best_mean, self.solved = checkpoint["train_steps"], checkpoint["best_mean"], checkpoint["solved"]
-        self.rewards.extend(checkpoint["rewards"])
-        self.losses.extend(checkpoint["losses"])
-        self.earlier = {name: checkpoint[name] for name in self.earlier}
-        set_rng_states(checkpoint["rng"], self.device)
-
-    def summary(self):
-        """The run in numbers, over every segment, for the last line of output."""
-        seconds = self.run_seconds()
-        train_frames, train_seconds = self.train_totals()
-        return {"script": self.args.script, "env": self.args.env, "frames": self.frames,
-                "train_frames": train_frames, "episodes": self.episodes,
-                "seconds": round(seconds, 1), "fps": round(self.frames / seconds, 1),
-                "train_fps": round(train_frames / train_seconds, 1) if train_seconds else 0.0,
-                "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 1),
-                "mean_reward": float(np.mean(self.rewards)) if self.rewards else None,
-                "solved": self.solved}
+    def should_stop(self):
+        """Between steps (a checkpoint that is due is written here): True once the run is solved, at
+        --max-frames, or asked to stop by a signal. Under torchrun only rank 0 decides."""
+        if self.rank:
+            return False
+        if stop_signal is None:
+            self.checkpoints.write_if_due()
+        at_max = self.args.max_frames is not None and self.tracker.frames >= self.args.max_frames
+        return stop_signal is not None or self.tracker.solved or at_max
 
     def __exit__(self, exc_type, exc, tb):
-        """Every stop ends here, at an iteration boundary: solved, --max-frames, Ctrl-C and SIGTERM (exit
-        codes 130 and 143), a lost process (1, with one line). The checkpoint, best.pt and the
-        summary are written with further signals ignored (torchrun sends a second SIGTERM)."""
-        if exc_type is processes.ProcessLost and stop_signal is None:
-            print(f"{self.args.script}.py: error: {exc}", file=sys.stderr, flush=True)
+        """Further signals are ignored here (torchrun sends a second SIGTERM); an error other than a lost
+        process is a bug: no checkpoint of a state it may have left half-made."""
+        if exc_type is not None and exc_type is not ProcessLost:
+            return False
+        if exc_type is ProcessLost and stop_signal is None:   # a child that a signal ended is part of that stop
+            print(f"{self.args.script}.py: error: {f'rank {self.rank} ' if self.rank else ''}{exc}", file=sys.stderr,
+                  flush=True)
             self.exit_code = 1
-        elif exc_type is not None and exc_type is not processes.ProcessLost:
-            return False   # a bug: no checkpoint of a state it may have left half-made
-        if stop_signal is not None:   # a child that the same signal ended is part of this stop
-            self.exit_code = 128 + stop_signal
+        self.exit_code = 128 + stop_signal if stop_signal is not None else self.exit_code
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
-        self.stopped = time.perf_counter()   # the run's clock stops: the writes below are not run time
-        if self.args.checkpoint_minutes:
-            try:
-                self.save_checkpoint()
-            except WriteFailed as error:   # a solve stays a solve; any other stop could not keep its state
-                print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr,
-                      flush=True)
-                if not self.solved and self.exit_code != 1:   # a lost child stays the reason it ended
-                    self.exit_code = 2
-        if self.best_mean is None:  # no full window yet: the latest model is the best we know
-            self.save_model()
-        self.writer.close()
-        print(json.dumps(self.summary()), flush=True)
-        return True
-
-
-class SilentTracker:
-    """RewardTracker's stand-in on a torchrun rank other than 0: it logs nothing and never decides to
-    stop; rank 0's word stops every rank at the same step, a stop asked by a signal included. A lost
-    rank (ProcessLost) ends the run here as on rank 0: one line, exit code 1."""
-
-    frames = 0   # rank 0 counts them
-
-    def __init__(self, args, rank):
-        self.script, self.rank, self.lost = args.script, rank, False
-
-    @property
-    def exit_code(self):
-        return 128 + stop_signal if stop_signal is not None else int(self.lost)
-
-    def update(self, frames, episodes):
-        return False
-
-    def trained(self, **scalars):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is processes.ProcessLost:
-            if stop_signal is None:
-                print(f"{self.script}.py: error: rank {self.rank} {exc}", file=sys.stderr, flush=True)
-            self.lost = True
+        if self.rank:
             return True
-        return False
+        self.tracker.clock.stopped = time.perf_counter()   # the run's clock stops: the writes below are not run time
+        try:
+            if self.args.checkpoint_minutes:
+                self.checkpoints.write()
+        except WriteFailed as error:   # a solve stays a solve; any other stop could not keep its state
+            print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr, flush=True)
+            self.exit_code = 2 if not self.tracker.solved and self.exit_code != 1 else self.exit_code
+        if self.tracker.best_mean is None:  # no full window yet: the latest model is the best we know
+            self.tracker.best_model.save(self.tracker.writer, self.tracker.frames, summary(self.tracker)["mean_reward"])
+        self.tracker.writer.close()
+        print(json.dumps(summary(self.tracker)), flush=True)
+        return True
 
 
 # ---------------------------------------------------------------- command line
@@ -505,7 +517,7 @@ def setup(parser, hyperparams):
     against those given) and make SIGINT and SIGTERM ask the run to stop; returns args and the env's
     hyperparameters (from the script's table, as attributes)."""
     args = parser.parse_args()
-    args.script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    args.script, args.segment = os.path.splitext(os.path.basename(sys.argv[0]))[0], 0
     if args.resume and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reads it, and sends it on
         args = resumed_options(parser, args)
     if os.environ.get("RANK", "0") == "0":   # the one process that writes the run's folder
@@ -578,6 +590,9 @@ def read_checkpoint(parser, folder, script):
     if not isinstance(checkpoint, dict) or checkpoint.get("script") != script:
         kind = checkpoint.get("script") if isinstance(checkpoint, dict) else None
         parser.error(f"--resume: {path} is a checkpoint of {kind or 'something else'}, not of {script}")
+    if checkpoint.get("format", 1) != CHECKPOINT_FORMAT:
+        parser.error(f"--resume: {path} is of checkpoint format {checkpoint.get('format', 1)}, and this {script}.py "
+                     f"reads format {CHECKPOINT_FORMAT}: go on with the code that wrote it")
     return checkpoint
 
 

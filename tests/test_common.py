@@ -1,5 +1,6 @@
 """Unit tests of common.py: inputs built by hand, expected values worked out by hand."""
 import collections
+import contextlib
 import copy
 import json
 import os
@@ -467,10 +468,10 @@ def test_checkpoint_minutes_takes_any_number_of_minutes(text, minutes):
     assert runs.argument_parser("test").parse_args(["--checkpoint-minutes", text]).checkpoint_minutes == minutes
 
 
-# ---------------------------------------------------------------- RewardTracker
+# ---------------------------------------------------------------- RewardTracker and Run
 def fake_args(max_frames=None, checkpoint_minutes=0):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False,
-                                 resume=None, checkpoint_minutes=checkpoint_minutes)
+                                 resume=None, checkpoint_minutes=checkpoint_minutes, cuda=False, seed=0, segment=0)
 
 
 def fake_env():
@@ -478,57 +479,71 @@ def fake_env():
                                  single_action_space=gym.spaces.Discrete(3))
 
 
+@contextlib.contextmanager
+def a_run(args, net=None):
+    """A script's run in short: its tracker, and the Run around its loop, with net all that a checkpoint holds."""
+    net = net or nn.Linear(2, 1)
+    tracker = runs.RewardTracker(args, net, fake_env())
+    with runs.Run(args, tracker, lambda: dict(net=net, tracker=tracker)) as run:
+        yield tracker, run
+
+
+def update(tracker, run, frames, episodes):
+    """A loop's step: the tracker records, the run says whether to stop."""
+    tracker.update(frames, episodes)
+    return run.should_stop()
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stop_signal_is_taken_at_the_next_update_with_its_exit_code_and_a_checkpoint(signum, code, tmp_path,
-                                                                                    monkeypatch, capsys):
+def test_a_stop_signal_is_taken_at_the_next_check_with_its_exit_code_and_a_checkpoint(signum, code, tmp_path,
+                                                                                   monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "stop_signal", None)
-    with runs.RewardTracker(fake_args(checkpoint_minutes=10), nn.Linear(2, 1), fake_env()) as tracker:
-        assert not tracker.update(10, [])
+    with a_run(fake_args(checkpoint_minutes=10)) as (tracker, run):
+        assert not update(tracker, run, 10, [])
         runs.request_stop(signum, None)      # the handler only asks: the step in progress goes on
         runs.request_stop(signal.SIGINT, None)   # a second signal changes nothing
-        assert tracker.update(20, [(-21.0, 900)])
-    assert tracker.exit_code == code and json.loads(capsys.readouterr().out.splitlines()[-1])["frames"] == 20
+        assert update(tracker, run, 20, [(-21.0, 900)])
+    assert run.exit_code == code and json.loads(capsys.readouterr().out.splitlines()[-1])["frames"] == 20
     checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
-    assert checkpoint["frames"] == 20 and checkpoint["rewards"] == [-21.0]
+    assert checkpoint["tracker"]["frames"] == 20 and checkpoint["tracker"]["rewards"] == [-21.0]
 
 
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
-        assert not tracker.update(10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
+    with a_run(fake_args()) as (tracker, run):
+        assert not update(tracker, run, 10, [(21.0, 100)] * 99)   # mean 21 but only 99 episodes
         assert not tracker.solved
-        assert tracker.update(20, [(21.0, 100)])            # the 100th
+        assert update(tracker, run, 20, [(21.0, 100)])            # the 100th
         assert tracker.solved and tracker.episodes == 100
 
 
 def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
-        assert not tracker.update(10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
+    with a_run(fake_args()) as (tracker, run):
+        assert not update(tracker, run, 10, [(17.0, 100)] * 100)      # 100 episodes, mean 17 < 18
         # 50 more at 19: the window holds 50 at 17 and 50 at 19, mean 18.0
-        assert not tracker.update(20, [(19.0, 100)] * 49)
-        assert tracker.update(30, [(19.0, 100)])
+        assert not update(tracker, run, 20, [(19.0, 100)] * 49)
+        assert update(tracker, run, 30, [(19.0, 100)])
 
 
-def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch):
+def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with a_run(fake_args()) as (tracker, run):
         tracker.update(1, [(18.0, 1)] * 99)
         # the 100th episode solves it; the one after would drop the mean below 18 again
-        assert tracker.update(2, [(18.0, 1), (-21.0, 1)])
-        summary = tracker.summary()
+        assert update(tracker, run, 2, [(18.0, 1), (-21.0, 1)])
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["solved"] and summary["episodes"] == 100 and summary["mean_reward"] == 18.0
 
 
-def test_tracker_stops_at_max_frames(tmp_path, monkeypatch):
+def test_run_stops_at_max_frames(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with runs.RewardTracker(fake_args(max_frames=1000), nn.Linear(2, 1), fake_env()) as tracker:
-        assert not tracker.update(999, [])
-        assert tracker.update(1000, [])
-    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
-        assert not tracker.update(10 ** 9, [])                 # no limit
-
+    with a_run(fake_args(max_frames=1000)) as (tracker, run):
+        assert not update(tracker, run, 999, [])
+        assert update(tracker, run, 1000, [])
+    with a_run(fake_args()) as (tracker, run):
+        assert not update(tracker, run, 10 ** 9, [])                 # no limit
 
 
 def test_save_whole_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -575,7 +590,7 @@ def test_save_whole_killed_in_the_middle_leaves_the_old_file_whole(tmp_path):
 def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
-    with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
+    with a_run(fake_args(), net) as (tracker, run):
         best_path = tmp_path / tracker.log_dir / "best.pt"
         tracker.update(10, [(-20.0, 1)] * 99)
         assert not best_path.exists()                         # no full window yet
@@ -592,28 +607,28 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
 
 def test_tracker_logs_the_first_and_every_log_every_th_training_step_reading_tensors_then(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with runs.RewardTracker(fake_args(), nn.Linear(2, 1), fake_env()) as tracker:
+    with a_run(fake_args()) as (tracker, run):
         for step in range(1, 2 * runs.LOG_EVERY + 2):
             tracker.update(10 * step, [])
-            tracker.trained(loss=torch.tensor(float(step)), epsilon=0.5)
+            tracker.record_step(loss=torch.tensor(float(step)), epsilon=0.5)
     events = EventAccumulator(str(tmp_path / tracker.log_dir))
     events.Reload()
     logged = [1, runs.LOG_EVERY + 1, 2 * runs.LOG_EVERY + 1]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10 * s, s) for s in logged]
     assert [e.value for e in events.Scalars("train/avg_loss")] == [1, (2 + runs.LOG_EVERY) / 2, sum(logged) / 3]
     assert [e.value for e in events.Scalars("train/epsilon")] == [0.5] * 3
-    assert tracker.train_steps == 2 * runs.LOG_EVERY + 1
+    assert tracker.steps == 2 * runs.LOG_EVERY + 1
 
 
 def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "LOG_EVERY", 1)
     net = nn.Linear(2, 1)
-    with runs.RewardTracker(fake_args(), net, fake_env()) as tracker:
+    with a_run(fake_args(), net) as (tracker, run):
         tracker.update(100, [(-21.0, 800)])
-        tracker.trained(loss=0.5)
+        tracker.record_step(loss=0.5)
         tracker.update(200, [(-19.0, 900)])
-        tracker.trained(loss=1.5)
+        tracker.record_step(loss=1.5)
     log_dir = tmp_path / tracker.log_dir
     assert os.path.relpath(log_dir, tmp_path).startswith(os.path.join("runs", "test-pong-unit-"))
 
@@ -863,7 +878,7 @@ def crash(*, send):
 
 def test_a_crashed_child_ends_the_iteration_with_its_name_and_exit_code():
     received = []
-    with pytest.raises(processes.ProcessLost, match="^child exited with code 1$"):
+    with pytest.raises(runs.ProcessLost, match="^child exited with code 1$"):
         with processes.ChildProcesses(crash, {"child": ()}) as messages:
             for message in messages:
                 received.append(message)

@@ -29,9 +29,9 @@ SCRIPTS = ["dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad"]   # each
 SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
 
-def fake_args(resume=None):
-    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=None, bf16=False,
-                                 resume=resume, checkpoint_minutes=10, seed=0)
+def fake_args(resume=None, segment=0):
+    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=None, bf16=False, cuda=False,
+                                 resume=resume, checkpoint_minutes=10, seed=0, segment=segment)
 
 
 def fake_env(shape=(4,)):
@@ -75,7 +75,7 @@ def stop_handler():
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
-def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_generators(tmp_path, monkeypatch):
+def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_generators(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "LOG_EVERY", 1)   # every loss logged, and kept for the mean
     net, tgt_net, optimizer = trained(seed=0)
@@ -83,11 +83,12 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
     for exp in transitions(80, seed=0):    # the ring wraps: position 30 of 50
         buffer.append(exp)
     buffer.sample(4)                      # the sampling generator has moved
-    saved = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer)
-    with runs.RewardTracker(fake_args(), net, fake_env(), saved) as tracker:
+    tracker = runs.RewardTracker(fake_args(), net, fake_env())
+    contents = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker, train_steps=7)
+    with runs.Run(fake_args(), tracker, lambda: contents):
         tracker.update(600, [(-20.0, 900), (-19.0, 800)])
         for loss in (0.5, 0.25):
-            tracker.trained(loss=loss)
+            tracker.record_step(loss=loss)
         tracker.update(1234, [(-18.0, 700)])
     expected = next_draws(buffer)
 
@@ -95,8 +96,9 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
     np.random.seed(99)
     net2, tgt_net2, optimizer2 = trained(seed=1)
     buffer2 = common.ReplayBuffer(50, SPACE, seed=1)
-    saved2 = dict(net=net2, tgt_net=tgt_net2, optimizer=optimizer2, buffer=buffer2)
-    resumed = runs.RewardTracker(fake_args(resume=tracker.log_dir), net2, fake_env(), saved2)
+    tracker2 = runs.RewardTracker(fake_args(resume=tracker.log_dir, segment=1), net2, fake_env())
+    contents2 = dict(net=net2, tgt_net=tgt_net2, optimizer=optimizer2, buffer=buffer2, tracker=tracker2, train_steps=0)
+    counters = runs.restore(tracker.log_dir, contents2, torch.device("cpu"))
 
     for a, b in [(net, net2), (tgt_net, tgt_net2)]:
         for name, tensor in a.state_dict().items():
@@ -108,9 +110,10 @@ def test_a_resumed_tracker_restores_weights_optimizer_buffer_counters_and_genera
     assert (buffer2.pos, buffer2.size) == (30, 50)
     for name in common.ReplayBuffer.ARRAYS:
         assert np.array_equal(getattr(buffer, name), getattr(buffer2, name)), name
-    assert (resumed.frames, resumed.episodes, resumed.train_steps, resumed.segment) == (1234, 3, 2, 1)
-    assert list(resumed.rewards) == [-20.0, -19.0, -18.0] and list(resumed.losses) == [0.5, 0.25]
-    assert resumed.earlier["seconds"] == pytest.approx(tracker.run_seconds())
+    assert (tracker2.frames, tracker2.episodes, tracker2.steps) == (1234, 3, 2)
+    assert list(tracker2.rewards) == [-20.0, -19.0, -18.0] and list(tracker2.losses) == [0.5, 0.25]
+    assert tracker2.clock.run_seconds() == pytest.approx(tracker.clock.run_seconds())
+    assert counters == {"train_steps": 7}
     assert next_draws(buffer2) == expected
 
 
@@ -187,21 +190,23 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
                                                                                stop_handler):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
-    with runs.RewardTracker(fake_args(), net, fake_env(), dict(net=net)) as tracker:
+    tracker = runs.RewardTracker(fake_args(), net, fake_env())
+    with runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker)) as run:
         for frames in range(1, 100):
-            if tracker.update(frames, []):
+            tracker.update(frames, [])
+            if run.should_stop():
                 break
             with torch.no_grad():            # a step that writes the weight, then the bias
                 net.weight += 1
                 if frames == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
                 net.bias += 1
-            tracker.trained()
-    assert tracker.exit_code == 143 and tracker.frames == 4
+            tracker.record_step()
+    assert run.exit_code == 143 and tracker.frames == 4
     checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
-    assert checkpoint["frames"] == 4 and checkpoint["train_steps"] == 3
-    assert torch.equal(checkpoint["state"]["net"]["weight"], net.weight)
-    assert torch.equal(checkpoint["state"]["net"]["bias"], net.bias)   # the step that the signal landed in is whole
+    assert checkpoint["tracker"]["frames"] == 4 and checkpoint["tracker"]["steps"] == 3
+    assert torch.equal(checkpoint["net"]["weight"], net.weight)
+    assert torch.equal(checkpoint["net"]["bias"], net.bias)   # the step that the signal landed in is whole
 
 
 # ---------------------------------------------------------------- a bad --resume
@@ -259,6 +264,50 @@ def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_not
     assert listing(tmp_path) == before
 
 
+def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(stopped_run, tmp_path, in_process,
+                                                                              capsys):
+    checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
+    del checkpoint["format"]   # as the code before formats wrote them
+    torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
+    before = listing(tmp_path)
+    assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line.startswith("dqn_baseline.py: error: --resume: ") and "is of checkpoint format 1" in line
+    assert listing(tmp_path) == before
+
+
+# the whole-run training step (Adam's own count, which the checkpoint carries) of every target net sync,
+# appended to $RL_TEST_SYNCS; with $RL_TEST_SIGTERM_AT, a SIGTERM to itself after that training step
+SYNCS_HOOK = """
+import os, signal, torch
+_step, _load, _last = torch.optim.Adam.step, torch.nn.Module.load_state_dict, [None]
+def counting_step(self, *args, **kwargs):
+    result = _step(self, *args, **kwargs)
+    _last[0] = int(self.state[self.param_groups[0]["params"][0]]["step"])
+    if str(_last[0]) == os.environ.get("RL_TEST_SIGTERM_AT"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return result
+def recording_load(self, *args, **kwargs):
+    if _last[0] is not None:   # a sync, not the restore before the first step
+        with open(os.environ["RL_TEST_SYNCS"], "a") as f:
+            f.write(f"{_last[0]}\\n")
+    return _load(self, *args, **kwargs)
+torch.optim.Adam.step, torch.nn.Module.load_state_dict = counting_step, recording_load
+"""
+
+
+def test_a_resumed_dqn_run_syncs_its_target_net_at_whole_run_steps(tmp_path):
+    # CartPole: training from frame 1000, a sync every 200 steps; a SIGTERM at step 300, between two syncs
+    env = dict(hooked_env(tmp_path, SYNCS_HOOK), RL_TEST_SYNCS=str(tmp_path / "syncs"))
+    code, _, err = run_script("dqn_baseline", "--env", "cartpole", cwd=tmp_path, env=dict(env, RL_TEST_SIGTERM_AT="300"))
+    assert code == 143, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["train_steps"] == 300
+    code, _, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "1500", cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert (tmp_path / "syncs").read_text().split() == ["200", "400"]
+
+
 class Made(Exception):
     """Raised by a stand-in for the tracker: the script got that far."""
 
@@ -306,7 +355,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on
     proc.kill()                               # SIGKILL, mid-write
     proc.wait()
     assert (folder / (runs.CHECKPOINT + ".tmp")).exists()
-    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] == 2000
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["tracker"]["frames"] == 2000
     code, out, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "3000", cwd=tmp_path, env=env)
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
@@ -327,15 +376,16 @@ BUDGET = {"dqn_fast": 100_000, "dqn_mp": 100_000, "dqn_compile": 100_000, "a3c_d
 STOP_AT = {"dqn_fast": 6_000, "dqn_mp": 6_000, "dqn_compile": 6_000, "a3c_data": 60_000, "a3c_grad": 60_000}
 
 
+# what the script's checkpoint_contents() holds as its loop begins, to $RL_TEST_RESTORED
 RESTORED_HOOK = """
 import os, torch, runs
-restore = runs.RewardTracker.restore
-def recording_restore(self, checkpoint):
-    restore(self, checkpoint)
-    counters = {name: getattr(self, name) for name in ("frames", "episodes", "train_steps", "best_mean")}
-    state = {name: obj.state_dict() for name, obj in self.saved.items()}
-    torch.save(dict(state=state, counters=counters, rewards=list(self.rewards)), os.environ["RL_TEST_RESTORED"])
-runs.RewardTracker.restore = recording_restore
+enter = runs.Run.__enter__
+def recording_enter(self):
+    contents = self.checkpoints.contents()
+    torch.save({name: value.state_dict() if hasattr(value, "state_dict") else value for name, value in contents.items()},
+               os.environ["RL_TEST_RESTORED"])
+    return enter(self)
+runs.Run.__enter__ = recording_enter
 """
 
 
@@ -369,18 +419,18 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
-    assert checkpoint["frames"] == stopped["frames"] and checkpoint["episodes"] == stopped["episodes"]
-    assert checkpoint["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
+    assert checkpoint["tracker"]["frames"] == stopped["frames"] and checkpoint["tracker"]["episodes"] == stopped["episodes"]
+    assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
     before = scalars(folder)
 
     env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
     code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path,
                                 env=env)
     assert code == 0, err
-    restored = torch.load(tmp_path / "restored.pt", weights_only=True)   # as the tracker had it, before the loop
-    assert_same(checkpoint["state"], restored["state"], "state")  # weights, optimizer, buffer, frame count
-    assert restored["counters"] == {name: checkpoint[name] for name in restored["counters"]}
-    assert restored["rewards"] == checkpoint["rewards"]
+    restored = torch.load(tmp_path / "restored.pt", weights_only=True)   # as the script has it when its loop begins
+    # weights, optimizer, buffer, experience source, the tracker's record, the script's counters
+    assert_same({name: checkpoint[name] for name in restored}, restored, "restored")
+    assert set(checkpoint) - set(restored) == {"format", "script", "segments", "options", "rng"}
     result = json.loads(out.strip().splitlines()[-1])
     assert result["solved"] and result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]
     assert result["seconds"] > stopped["seconds"]
@@ -410,7 +460,7 @@ def test_a3c_dist_stopped_by_sigterm_resumes_from_rank_0s_checkpoint_with_its_ra
     out, err = proc.communicate(timeout=60)
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
-    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] == stopped["frames"]
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["tracker"]["frames"] == stopped["frames"]
 
     proc = torchrun(3, "--resume", str(folder), cwd=tmp_path)
     out, err = proc.communicate(timeout=120)

@@ -401,7 +401,7 @@ def exchange_as_rank(store, rank, *, send):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     grads = torch.tensor([1.0, 2.0]) * (rank + 1)
     episodes = [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30 if rank else []
-    grads, reports = a3c_dist.exchange(grads, (rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0))
+    grads, reports = a3c_dist.exchange(grads, rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0)
     send((rank, grads.tolist(), reports))
     while True:
         time.sleep(1)
@@ -428,8 +428,8 @@ def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monk
     monkeypatch.setattr(a3c_dist.dist, "all_reduce", lost)
     monkeypatch.setattr(a3c_dist.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
-    with pytest.raises(processes.ProcessLost) as error:
-        a3c_dist.exchange(torch.zeros(3), (32, {"loss": 0.5}, 32, [], False))
+    with pytest.raises(runs.ProcessLost) as error:
+        a3c_dist.exchange(torch.zeros(3), 32, {"loss": 0.5}, 32, [], False)
     assert str(error.value) == "lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: " \
                                "Connection reset by peer"
 

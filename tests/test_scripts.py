@@ -444,7 +444,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     folder = tmp_path / "runs" / os.listdir(tmp_path / "runs")[0]
     assert os.path.exists(folder / "best.pt")
     checkpoint = torch.load(folder / runs.CHECKPOINT, mmap=True, weights_only=True)
-    assert checkpoint["frames"] == result["frames"] and checkpoint["episodes"] == result["episodes"]
+    assert checkpoint["tracker"]["frames"] == result["frames"] and checkpoint["tracker"]["episodes"] == result["episodes"]
     # every child acts with a network on the run's device
     children = {path.name: path.read_text() for path in (tmp_path / "devices").iterdir()}
     assert sorted(children) == CHILDREN[script] and set(children.values()) <= {device}
