@@ -33,9 +33,8 @@ class ChildProcesses:
             self.child_ends.append(child_end)
 
     def __enter__(self):
-        """Start the children with Ctrl-C ignored, which they inherit (on POSIX): a terminal sends it
-        to the whole process group, and the run must stop through this process alone, also while the
-        children import. A Ctrl-C in the milliseconds that start() takes is lost: press it again."""
+        """Start the children with Ctrl-C ignored, which they inherit: a terminal sends it to the whole
+        process group, and the run stops through this process alone (docs/HOW.md)."""
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             for proc, child_end in zip(self.procs, self.child_ends):

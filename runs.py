@@ -124,6 +124,7 @@ class EventWriter:
     def flush(self):
         self._call("flush")
 
+
     def close(self):
         self._call("close")
 
@@ -157,18 +158,18 @@ class RewardTracker:
         self.best_model = BestModel(args, net, env, os.path.join(self.log_dir, "best.pt"))
         self.rewards, self.losses = collections.deque(maxlen=100), collections.deque(maxlen=100)
         self.frames = self.episodes = self.steps = 0
-        self.best_mean, self.solved = None, False
+        self.solved = False
 
     def state_dict(self):
         return dict(self.clock.state_dict(self.frames), frames=self.frames, episodes=self.episodes, steps=self.steps,
-                    rewards=[float(r) for r in self.rewards], losses=list(self.losses), best_mean=self.best_mean,
-                    solved=self.solved)
+                    rewards=[float(r) for r in self.rewards], losses=list(self.losses),
+                    best_mean=self.best_model.mean, solved=self.solved)
 
     def load_state_dict(self, state):
         self.frames, self.episodes, self.steps = state["frames"], state["episodes"], state["steps"]
         self.rewards.extend(state["rewards"])
         self.losses.extend(state["losses"])
-        self.best_mean, self.solved = state["best_mean"], state["solved"]
+        self.best_model.mean, self.solved = state["best_mean"], state["solved"]
         self.clock.load_state_dict(state)
 
     def update(self, frames, episodes):
@@ -181,11 +182,9 @@ class RewardTracker:
             for name, value in (("reward", reward), ("avg_reward", mean), ("steps", steps),
                                 ("minutes", self.clock.run_seconds() / 60)):   # run time, over segments
                 self.writer.add_scalar(f"episodes/{name}", value, frames)
-            full = len(self.rewards) == self.rewards.maxlen   # judge only a full window of 100 episodes
-            if full and (self.best_mean is None or mean > self.best_mean):
-                self.best_mean = mean
-                self.best_model.save(self.writer, frames, mean)
-            self.solved = self.solved or full and mean >= common.STOP_REWARDS[self.args.env]
+            if len(self.rewards) == self.rewards.maxlen:   # judge only a full window of 100 episodes
+                self.best_model.save_if_best(self.writer, frames, mean)
+                self.solved = self.solved or mean >= common.STOP_REWARDS[self.args.env]
             if self.clock.updated - self.last_print[1] >= 1.0 or self.solved:
                 fps = (frames - self.last_print[0]) / (self.clock.updated - self.last_print[1])
                 self.writer.add_scalar("train/avg_fps", fps, frames)
@@ -224,6 +223,10 @@ class Clock:
     def load_state_dict(self, state):
         self.before = {name: state[name] for name in self.before}
 
+    def begin(self):
+        self.start = self.updated = time.perf_counter()
+        return self.start
+
     def trained(self, frames):
         if self.train_start is None:   # the first training step of this segment
             now = time.perf_counter()
@@ -244,9 +247,14 @@ class BestModel:
     """best.pt: what rebuilds the net (for play.py), the run's progress, and the weights as CPU tensors."""
 
     def __init__(self, args, net, env, path):
-        self.args, self.net, self.path, self.unwritten = args, net, path, False
+        self.args, self.net, self.path, self.mean, self.unwritten = args, net, path, None, False
         self.info = {"script": args.script, "env": args.env, "obs_shape": tuple(env.single_observation_space.shape),
                      "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
+
+    def save_if_best(self, writer, frames, mean):
+        if self.mean is None or mean > self.mean:
+            self.mean = mean
+            self.save(writer, frames, mean)
 
     def save(self, writer, frames, mean):
         """Write it; a write that fails, one line until one succeeds."""
@@ -275,7 +283,7 @@ def warn(args, message):
     print(f"{args.script}.py: warning: {message}", file=sys.stderr, flush=True)
 
 
-def summary(tracker):
+def summary(tracker, mean):
     """The run in numbers, over every segment, for the last line of output."""
     seconds, (train_frames, train_seconds) = tracker.clock.run_seconds(), tracker.clock.train_totals(tracker.frames)
     first_step = tracker.clock.first_step_seconds
@@ -284,7 +292,7 @@ def summary(tracker):
             "fps": round(tracker.frames / seconds, 1),
             "train_fps": round(train_frames / train_seconds, 1) if train_seconds else 0.0,
             "first_step_seconds": None if first_step is None else round(first_step, 1),
-            "mean_reward": float(np.mean(tracker.rewards)) if tracker.rewards else None, "solved": tracker.solved}
+            "mean_reward": mean, "solved": tracker.solved}
 
 
 # ---------------------------------------------------------------- its checkpoint
@@ -314,6 +322,16 @@ class Checkpoints:
             except WriteFailed as error:   # the run can go on: the next try comes at the next interval
                 warn(self.args, f"{error}: the checkpoint before it stays, the run goes on and tries again "
                                 f"after {self.interval:g} s")
+
+    def write_at_stop(self):
+        """The last checkpoint; False, after one line, where it fails: a solve stays a solve, any other
+        stop could not keep its state."""
+        try:
+            self.write()
+            return True
+        except WriteFailed as error:
+            print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr, flush=True)
+            return False
 
     def write(self):
         started, self.last = time.perf_counter(), self.tracker.clock.run_seconds()
@@ -378,21 +396,19 @@ def set_rng_states(states, device):
 
 # ---------------------------------------------------------------- its stop
 class Run:
-    """The with-block around a script's loop, which asks it between steps whether to stop. Every stop
-    ends at its exit: solved, --max-frames, Ctrl-C or SIGTERM (exit codes 130, 143), a lost process
-    (1, with one line); there the last checkpoint, best.pt if none yet, and the summary are written."""
+    """The with-block around a script's loop, which asks it between steps whether to stop. Every stop ends
+    at its exit, where the last checkpoint, best.pt if none yet, and the summary are written."""
 
     def __init__(self, args, tracker, contents, rank=0):
-        """contents: the script's function that lists what a checkpoint holds; rank: under torchrun,
-        only rank 0 records and writes."""
+        """contents: the script's function that lists what a checkpoint holds; rank: torchrun's, 0 writes."""
         self.args, self.tracker, self.rank, self.exit_code = args, tracker, rank, 0
         self.checkpoints = Checkpoints(args, tracker, contents) if rank == 0 else None
 
     def __enter__(self):
         """The run begins: its folder and TensorBoard writer are made, its clock starts."""
+        tracker = self.tracker
         if self.rank:
             return self
-        tracker = self.tracker
         if self.args.resume:
             print(f"going on with {tracker.log_dir} from frame {tracker.frames}: segment {self.args.segment + 1}",
                   flush=True)
@@ -403,9 +419,7 @@ class Run:
             sys.exit(2)
         if self.args.checkpoint_minutes:
             self.checkpoints.check_room()
-        tracker.clock.start = tracker.clock.updated = time.perf_counter()
-        tracker.last_print = (tracker.frames, tracker.clock.start)
-        self.checkpoints.last = tracker.clock.run_seconds()
+        tracker.last_print, self.checkpoints.last = (tracker.frames, tracker.clock.begin()), tracker.clock.run_seconds()
         return self
 
     def should_stop(self):
@@ -419,8 +433,8 @@ class Run:
         return stop_signal is not None or self.tracker.solved or at_max
 
     def __exit__(self, exc_type, exc, tb):
-        """Further signals are ignored here (torchrun sends a second SIGTERM); an error other than a lost
-        process is a bug: no checkpoint of a state it may have left half-made."""
+        """Exit codes: 0, 130 and 143 for Ctrl-C and SIGTERM (later ones ignored: torchrun sends two), 1 for
+        a lost process, with one line. Any other error is a bug: no checkpoint of a half-made state."""
         if exc_type is not None and exc_type is not ProcessLost:
             return False
         if exc_type is ProcessLost and stop_signal is None:   # a child that a signal ended is part of that stop
@@ -433,16 +447,13 @@ class Run:
         if self.rank:
             return True
         self.tracker.clock.stopped = time.perf_counter()   # the run's clock stops: the writes below are not run time
-        try:
-            if self.args.checkpoint_minutes:
-                self.checkpoints.write()
-        except WriteFailed as error:   # a solve stays a solve; any other stop could not keep its state
-            print(f"{self.args.script}.py: error: {error}: the checkpoint before it stays", file=sys.stderr, flush=True)
+        if self.args.checkpoint_minutes and not self.checkpoints.write_at_stop():
             self.exit_code = 2 if not self.tracker.solved and self.exit_code != 1 else self.exit_code
-        if self.tracker.best_mean is None:  # no full window yet: the latest model is the best we know
-            self.tracker.best_model.save(self.tracker.writer, self.tracker.frames, summary(self.tracker)["mean_reward"])
+        mean = float(np.mean(self.tracker.rewards)) if self.tracker.rewards else None
+        if self.tracker.best_model.mean is None:   # no full window yet: the latest model is the best we know
+            self.tracker.best_model.save(self.tracker.writer, self.tracker.frames, mean)
         self.tracker.writer.close()
-        print(json.dumps(summary(self.tracker)), flush=True)
+        print(json.dumps(summary(self.tracker, mean)), flush=True)
         return True
 
 
@@ -458,33 +469,22 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def bounded_int(low, high, expected):
-    """argparse type: an integer from low to high, else the error 'expected ..., got ...'."""
+def number(kind, low, high, expected):
+    """argparse type: a number of that kind (int, float) from low to high, else 'expected ..., got ...'."""
     def parse(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            value = low - 1
-        if not low <= value <= high:
+            value = None
+        if value is None or not low <= value <= high:   # NaN too
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
 
 
-def minutes(text):
-    """argparse type of --checkpoint-minutes: a number of minutes from 0 (none) to a million; 0.5 is 30 s."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 10 ** 6:   # NaN too
-        raise argparse.ArgumentTypeError(f"expected a number of minutes, 0 for none, got {text!r}")
-    return value
-
-
-positive_int = bounded_int(1, sys.maxsize, "a positive integer")
-# workers add offsets to the seed, and the C++ env takes int32 seeds
-seed_int = bounded_int(0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")
+positive_int = number(int, 1, sys.maxsize, "a positive integer")
+seed_int = number(int, 0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")   # workers add offsets; the C++ env takes int32
+minutes = number(float, 0, 10 ** 6, "a number of minutes, 0 for none")   # 0.5 is 30 s
 
 
 def argument_parser(description):

@@ -1,10 +1,12 @@
 """End to end: every script answers bad input, runs on Pong, learns CartPole and stops cleanly.
 The fast tests launch each mechanism once; those marked slow (`pytest --all`) launch every script."""
+import ast
 import collections
 import json
 import os
 import re
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -418,6 +420,61 @@ def test_torchs_own_failure_where_shared_memory_runs_out_ends_with_one_line():
     assert line.startswith("test: error: shared memory is short: this run shares 83.9 MB and the system could "
                            "not give it (") and "No space left on device" in line, proc.stderr
     assert line.endswith("; in Docker, give the container more with docker run --shm-size=256m")
+
+
+# ---------------------------------------------------------------- a script copied alone
+def project_imports(module):
+    """The project's modules that module imports, followed to the end, itself included."""
+    found, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in found or not os.path.isfile(os.path.join(REPO, f"{name}.py")):
+            continue
+        found.add(name)
+        with open(os.path.join(REPO, f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        todo += [alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        todo += [node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    return found
+
+
+# runs a script as `python script.py ARGS` would, from the current folder, and prints where every
+# project module that it loaded came from, at any exit (a3c_dist ends with os._exit)
+ALONE = """
+import atexit, json, os, runpy, sys
+names = sys.argv[1].split(",")
+def report():
+    print("LOADED " + json.dumps({name: sys.modules[name].__file__ for name in names if name in sys.modules}), flush=True)
+atexit.register(report)
+_exit = os._exit
+os._exit = lambda code: (report(), _exit(code))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script", [script if script in ("dqn_baseline", "dqn_mp") else pytest.param(script, marks=slow)
+                                    for script in SCRIPTS + ["a3c_dist"]])
+def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(script, tmp_path):
+    modules = project_imports(script)
+    assert {"common", "runs"} <= modules and ("processes" in modules) == (script in MP_SCRIPTS)
+    for name in modules:
+        shutil.copy(os.path.join(REPO, f"{name}.py"), tmp_path)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    names = ",".join(sorted(os.path.splitext(name)[0] for name in os.listdir(REPO) if name.endswith(".py")))
+    command = ["-c", ALONE, names, f"{script}.py", "--env", "cartpole", "--max-frames",
+               "1500" if script in DQN_SCRIPTS else "3000", "--checkpoint-minutes", "0"]
+    if script == "a3c_dist":
+        command = [*TORCHRUN, "2", "--no-python", sys.executable, *command]
+    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.loads(line[len("LOADED "):]) for line in proc.stdout.splitlines() if line.startswith("LOADED ")]
+    assert len(reports) == (2 if script == "a3c_dist" else 1)   # one a process that the command starts
+    for loaded in reports:
+        assert set(loaded) == modules - {script} and {os.path.dirname(path) for path in loaded.values()} == {str(tmp_path)}
+    out = "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("LOADED "))
+    assert summary(out)["train_frames"] > 0   # it trained
 
 
 # ---------------------------------------------------------------- Pong, tiny budget
