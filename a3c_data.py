@@ -93,10 +93,10 @@ def data_func(params, args, weights, worker_id, *, send):
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
-    env = common.make_fast_env(args.env, args.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
-        seed=args.seed + worker_id * args.envs)
+        seed=args.seed + worker_id * params.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
@@ -117,7 +117,6 @@ if __name__ == "__main__":
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
-    args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
@@ -133,7 +132,7 @@ if __name__ == "__main__":
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
     processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
-    workers = {f"worker {i}": (params, args, weights, i) for i in range(args.processes)}
+    workers = {f"worker {i}": (params, args, weights, i) for i in range(params.processes)}
     batch = []
 
     with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(data_func, workers) as messages:

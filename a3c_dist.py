@@ -93,7 +93,7 @@ def gradients(params, args, env, net, rank, device):
     torch.manual_seed(args.seed + rank)  # rank r plays as a3c_grad's worker r
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
-        seed=args.seed + rank * args.envs)
+        seed=args.seed + rank * params.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
@@ -133,7 +133,7 @@ def exchange(grads, samples, stats, frames, episodes, stop):
     msg = torch.cat([grads, rows.flatten()])
     try:
         dist.all_reduce(msg)
-    except RuntimeError as error:  # gloo's word for a lost rank; its first line says why (the rest is C++ frames)
+    except RuntimeError as error:  # how gloo reports a lost rank: its first line says why, the rest is C++ frames
         raise runs.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
     reports = []
     for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
@@ -161,7 +161,6 @@ if __name__ == "__main__":
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
-    args.envs = args.envs or params.envs
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
     if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
@@ -171,7 +170,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank = dist.get_rank()
     args, params = runs.rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
-    env = common.make_fast_env(args.env, args.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env) if rank == 0 else runs.SilentTracker()   # rank 0 records the run
@@ -193,7 +192,7 @@ if __name__ == "__main__":
             grads, reports = exchange(grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop)
             del episodes[:MAX_EPISODES]
             samples_list, stats_list, frames_list, finished, stops = zip(*reports)
-            if stops[0]:  # rank 0's word, one step after it decided, on every rank at once
+            if stops[0]:  # rank 0 decided to stop a step ago: every rank stops here, at the same step
                 break
             frames += sum(frames_list)
             tracker.update(frames, sum(finished, []))

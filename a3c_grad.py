@@ -96,10 +96,10 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     net = weights.copy_to(device) if args.cuda else weights
     if args.cuda:
         processes.page_lock(grad_slots)  # for speed: its gradient is copied off the GPU into its slot every step
-    env = common.make_fast_env(args.env, args.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs, threads=1)
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
-        seed=args.seed + worker_id * args.envs)
+        seed=args.seed + worker_id * params.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
@@ -142,7 +142,6 @@ if __name__ == "__main__":
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
-    args.processes, args.envs = args.processes or params.processes, args.envs or params.envs
     torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
@@ -158,12 +157,12 @@ if __name__ == "__main__":
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
-    grad_slots = torch.zeros(args.processes, sum(p.numel() for p in net.parameters()))   # a row per worker
+    grad_slots = torch.zeros(params.processes, sum(p.numel() for p in net.parameters()))   # a row per worker
     processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)  # before any child starts
-    # a pipe per worker, for the word that the step is made: it waits in recv, with no polling
-    step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(args.processes)))
+    # a pipe per worker, to tell it that the step is made: it waits in recv, with no polling
+    step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(params.processes)))
     workers = {f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
-               for i in range(args.processes)}
+               for i in range(params.processes)}
     filled_slots = {}   # worker id: (samples, loss stats) of the gradient in its slot
 
     with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(grads_func, workers) as messages:
@@ -176,9 +175,9 @@ if __name__ == "__main__":
                 break
             # the main process only applies gradients: it averages one from each worker into one step
             filled_slots[worker_id] = samples, stats
-            if len(filled_slots) < args.processes:
+            if len(filled_slots) < params.processes:
                 continue
-            samples_list, stats_list = zip(*(filled_slots[i] for i in range(args.processes)))   # in slot order
+            samples_list, stats_list = zip(*(filled_slots[i] for i in range(params.processes)))   # in slot order
             filled_slots.clear()
             mean_grads(net, grad_slots, samples_list, device)
             stats = mean_stats(stats_list, samples_list)

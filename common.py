@@ -1,7 +1,6 @@
 """What the scripts share of reinforcement learning: the env makers and wrappers, the n-step
-experience source, the replay buffer and batch unpacking. What a user changes when copying a script
-(hyperparameters, network, loss, agent) lives in the script; the run's plumbing in runs.py (command
-line, tracker, checkpoints) and processes.py (children, shared memory, shared weights)."""
+experience source, the replay buffer and batch unpacking. What a user changes lives in each script;
+the run's plumbing in runs.py and processes.py."""
 import collections
 
 import ale_py

@@ -155,9 +155,9 @@ class DeviceReplayBuffer:
 
     def sample(self, batch_size):
         """batch_size transitions drawn uniformly, by indices drawn on the device."""
-        return self.at((torch.rand(batch_size, device=self.device) * self.size).long())
+        return self.transitions((torch.rand(batch_size, device=self.device) * self.size).long())
 
-    def at(self, idx):
+    def transitions(self, idx):
         """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
         gives them: next states rebuilt from the states' last 3 frames and the stored newest one."""
         states, last_states = self.states[idx], self.last_states[idx]
@@ -168,10 +168,8 @@ class DeviceReplayBuffer:
 
 class CUDAGraphStep:
     """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the first
-    WARMUP_CALLS calls run it on a side stream (compiling it, making Adam's state), the next records
-    it, and from there each call replays it. A replay queues the whole training step (sample, loss,
-    backward, Adam) with one launch, where mode="reduce-overhead" splits it into graphs around the
-    backward with copies between them. Every tensor fn reads or writes must stay where it is."""
+    WARMUP_CALLS calls run it on a side stream, the next records it, each one after replays it: the whole
+    training step in one launch, where mode="reduce-overhead" splits it around the backward (docs/HOW.md)."""
     WARMUP_CALLS = 3
 
     def __init__(self, fn, *args):

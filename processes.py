@@ -86,7 +86,7 @@ def _child_main(target, args, pipe):
 
     def send(message):
         pipe.send(message)
-        pipe.recv()   # the main process's word that it took the message
+        pipe.recv()   # the main process has taken the message
 
     try:
         target(*args, send=send)
@@ -106,7 +106,7 @@ def share_memory(parser, *shared, page_locked=False):
     try:
         for tensor in tensors:
             tensor.share_memory_()
-    except (RuntimeError, OSError) as error:   # torch's word for no room, or no shared memory at all
+    except (RuntimeError, OSError) as error:   # how torch reports no room, or no shared memory at all
         parser.error(shm_short(needed, free, error))
     if page_locked:
         for tensor in tensors:
@@ -182,10 +182,9 @@ class SharedWeights:
         return net
 
     def refresh(self, net):
-        """Install the newest published weights in net, a child's copy, if they are newer than what
-        it holds; True once it holds them. A copy that a publish overlapped is taken again, for up
-        to a second; after that (a main process that died mid-publish leaves the version odd) net keeps
-        the weights it has."""
+        """Install the newest published weights in net, a child's copy, if newer; True once it holds them.
+        A copy that a publish overlapped is taken again for up to a second; after that (a main process
+        that died mid-publish leaves the version odd) net keeps the weights it has."""
         for _ in range(1000):
             version = self.version.value
             if version == self.installed:

@@ -213,7 +213,7 @@ class Clock:
     step (dqn_compile's compile is timed apart)."""
 
     def __init__(self):
-        self.before = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # the segments before this one
+        self.past = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # the segments before this one
         self.start = self.stopped = self.updated = self.train_start = self.first_step_seconds = None
 
     def state_dict(self, frames):
@@ -221,7 +221,7 @@ class Clock:
         return {"seconds": self.run_seconds(), "train_frames": train_frames, "train_seconds": train_seconds}
 
     def load_state_dict(self, state):
-        self.before = {name: state[name] for name in self.before}
+        self.past = {name: state[name] for name in self.past}
 
     def begin(self):
         self.start = self.updated = time.perf_counter()
@@ -233,10 +233,10 @@ class Clock:
             self.first_step_seconds, self.train_start = now - self.updated, (frames, now)
 
     def run_seconds(self):
-        return self.before["seconds"] + ((self.stopped or time.perf_counter()) - self.start if self.start else 0.0)
+        return self.past["seconds"] + ((self.stopped or time.perf_counter()) - self.start if self.start else 0.0)
 
     def train_totals(self, frames):
-        train_frames, seconds = self.before["train_frames"], self.before["train_seconds"]
+        train_frames, seconds = self.past["train_frames"], self.past["train_seconds"]
         if self.train_start is not None:
             train_frames += frames - self.train_start[0]
             seconds += (self.stopped or time.perf_counter()) - self.train_start[1]
@@ -483,7 +483,8 @@ def number(kind, low, high, expected):
 
 
 positive_int = number(int, 1, sys.maxsize, "a positive integer")
-seed_int = number(int, 0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")   # workers add offsets; the C++ env takes int32
+# workers add offsets to the seed, and the C++ env takes int32 seeds
+seed_int = number(int, 0, 2 ** 30 - 1, f"an integer from 0 to {2 ** 30 - 1}")
 minutes = number(float, 0, 10 ** 6, "a number of minutes, 0 for none")   # 0.5 is 30 s
 
 
@@ -532,7 +533,18 @@ def setup(parser, hyperparams):
     stop_signal = None
     for signum in (signal.SIGINT, signal.SIGTERM):   # a kill stops as cleanly as Ctrl-C
         signal.signal(signum, request_stop)
-    return args, types.SimpleNamespace(**hyperparams[args.env])
+    return args, hyperparameters(args, hyperparams)
+
+
+def hyperparameters(args, hyperparams):
+    """The env's hyperparameters from the script's table, as attributes. One that an option of its name
+    (--envs, --processes) gives takes the option's value; args keeps the value the run uses."""
+    params = types.SimpleNamespace(**hyperparams[args.env])
+    for name in vars(params).keys() & vars(args).keys():
+        value = getattr(args, name)
+        setattr(args, name, getattr(params, name) if value is None else value)
+        setattr(params, name, getattr(args, name))
+    return params
 
 
 def check_writable(parser, folder):
@@ -549,10 +561,9 @@ def check_writable(parser, folder):
 
 
 def compile_or_exit(parser, fn, mode, probe_args):
-    """torch.compile(fn, mode=mode), after a first call on probe_args (dqn_compile's acting): compilation
-    happens there, and on a machine where it cannot (no C++ compiler, a Python that this torch cannot
-    compile) the run stops now, with one line that points to dqn_fast.py. The compiler's notices of
-    its own choices (the optimizer's profiler marks it skips, where it looked for CUDA) stay unprinted."""
+    """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile (no C++
+    compiler, a Python this torch cannot compile for) the run stops now, with one line that points to
+    dqn_fast.py. The compiler's notices of its own choices stay unprinted."""
     torch._logging.set_logs(dynamo=logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
@@ -573,7 +584,7 @@ def rank0_options(parser, args, hyperparams):
     if getattr(args, "world_size", world_size) != world_size:
         parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
     args.world_size = world_size
-    return args, types.SimpleNamespace(**hyperparams[args.env])
+    return args, hyperparameters(args, hyperparams)
 
 
 def read_checkpoint(parser, folder, script):
@@ -601,14 +612,16 @@ def resumed_options(parser, args):
     but --max-frames (the whole run's budget) and --cuda (the device is the segment's own); the
     envs and children of the k-th segment play with seed + k * SEGMENT_SEED, new games."""
     checkpoint = read_checkpoint(parser, args.resume, args.script)
-    saved, anew = checkpoint["options"], {"resume", "max_frames", "cuda", "checkpoint_minutes"}
-    unset = object()   # parsing into a namespace that holds it leaves it wherever an option was not given
-    given = parser.parse_args(namespace=argparse.Namespace(**{name: unset for name in vars(args)}))
-    for name, value in vars(given).items():
-        if value is not unset and name not in anew and name in saved and value != saved[name]:
+    run_options = checkpoint["options"]
+    segment_options = {"resume", "max_frames", "cuda", "checkpoint_minutes"}   # each segment may give its own
+    missing = object()   # parsing into a namespace that holds it leaves it wherever an option was not given
+    typed = parser.parse_args(namespace=argparse.Namespace(**{name: missing for name in vars(args)}))
+    for name, value in vars(typed).items():
+        if value is not missing and name not in segment_options and name in run_options and value != run_options[name]:
             parser.error(f"--{name.replace('_', '-')} {value} contradicts the run in {args.resume}, "
-                         f"which has {saved[name]}")
-    parser.set_defaults(**{name: value for name, value in saved.items() if name not in anew or name == "max_frames"})
+                         f"which has {run_options[name]}")
+    parser.set_defaults(**{name: value for name, value in run_options.items()
+                           if name not in segment_options or name == "max_frames"})
     resumed = parser.parse_args()
     resumed.script, resumed.segment = args.script, checkpoint["segments"]
     resumed.seed = (resumed.seed + resumed.segment * SEGMENT_SEED) % 2 ** 30

@@ -139,7 +139,7 @@ def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(devi
     restored.load_state_dict(torch.load(path, mmap=True, weights_only=True))
     assert restored.count == buffer.count == 80 and restored.size.item() == 50
     idx = torch.arange(50, device=device)
-    for a, b in zip(buffer.at(idx), restored.at(idx)):
+    for a, b in zip(buffer.transitions(idx), restored.transitions(idx)):
         assert torch.equal(a, b)
 
 

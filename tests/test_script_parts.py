@@ -200,7 +200,7 @@ def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same
         if any(exp.last_state is None for exp in exps) or len(host) in (7, 500):   # an end, part full, full
             host.rng = np.random.default_rng(checked)
             idx = np.random.default_rng(checked).integers(0, len(host), 300)      # what host.sample draws
-            for expected, got in zip(host.sample(300), device.at(torch.as_tensor(idx, device=device.device))):
+            for expected, got in zip(host.sample(300), device.transitions(torch.as_tensor(idx, device=device.device))):
                 assert np.array_equal(expected, got.cpu().numpy())
             checked += 1
     assert device.count > 2000   # 2 envs, 1,100 steps, less the steps that only reset an env
