@@ -51,21 +51,13 @@ class ChildProcesses:
         while True:
             for ready in multiprocessing.connection.wait(self.pipes + list(sentinels), timeout=1.0):
                 if ready in sentinels:
-                    self._died(sentinels[ready])
+                    raise lost(sentinels[ready])
                 try:
                     message = ready.recv()
                     ready.send(None)          # taken: the child may go on while this process works on it
                 except (EOFError, OSError):   # the child is gone, between messages or in the middle of one
-                    self._died(owners[ready])
+                    raise lost(owners[ready]) from None
                 yield message
-
-    @staticmethod
-    def _died(proc):
-        """Raise the error that names a dead child and its exit code (and signal)."""
-        proc.join(timeout=5)
-        code = proc.exitcode
-        signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
-        raise runs.ProcessLost(f"{proc.name} exited with code {code}{signame}")
 
     def __exit__(self, *exc):
         """Terminate the children and wait for them; kill those that do not end."""
@@ -78,6 +70,14 @@ class ChildProcesses:
                 proc.join()
         for pipe in self.pipes:
             pipe.close()
+
+
+def lost(proc):
+    """The error that names a dead child and its exit code (and signal)."""
+    proc.join(timeout=5)
+    code = proc.exitcode
+    signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+    return runs.ProcessLost(f"{proc.name} exited with code {code}{signame}")
 
 
 def _child_main(target, args, pipe):
