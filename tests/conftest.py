@@ -34,7 +34,7 @@ def signal_handlers():
     """Every test starts with SIGINT as a terminal gives it, and leaves SIGINT and SIGTERM as it found
     them. A process that a test starts inherits an ignored SIGINT, and Python in it then raises no
     KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest with SIGINT
-    ignored, and a tracker that a test runs in this process ignores both signals at its exit."""
+    ignored, and a Run that a test runs in this process ignores both signals at its exit."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
