@@ -678,7 +678,7 @@ def test_a_seed_reproduces_a_single_process_run(script, tmp_path):
                            cwd=tmp_path / folder)
         assert code == 0, err
         (run_dir,) = (tmp_path / folder / "runs").iterdir()
-        weights = torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["state"]["net"]
+        weights = torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["net"]
         losses.append((events(tmp_path / folder)["train/loss"], [w.tolist() for w in weights.values()]))
     assert len(losses[0][0]) > 5   # the loss of every LOG_EVERY-th step; the weights after all of them
     assert losses[0] == losses[1] and losses[0][0] != losses[2][0] and losses[0][1] != losses[2][1]
