@@ -124,23 +124,23 @@ def mean_stats(stats_list, samples):
 
 
 def exchange(grads, samples, stats, frames, episodes, stop):
-    """The sum of grads over every rank, and every rank's report of the rest, in rank order: one all_reduce
-    carries both, each report in a row of its own, zeros in the others' (a collective of their own cost
-    3 to 8% of a step: docs/RESULTS.md). A rank that is gone, or silent for TIMEOUT, ends the run."""
+    """The sum of grads over every rank, and every rank's report of the rest in rank order: a second, small
+    all_reduce sums the reports, each in a row of its own, zeros in the others'. A rank that is gone, or
+    silent for TIMEOUT, ends the run."""
     row = [samples, frames, stop, *stats.values(), *(x for episode in episodes for x in episode)]
     rows = torch.zeros(dist.get_world_size(), 3 + len(stats) + 2 * MAX_EPISODES)
     rows[dist.get_rank(), :len(row)] = torch.tensor(row)
-    msg = torch.cat([grads, rows.flatten()])
     try:
-        dist.all_reduce(msg)
+        dist.all_reduce(grads)
+        dist.all_reduce(rows)
     except RuntimeError as error:  # how gloo reports a lost rank: its first line says why, the rest is C++ frames
         raise runs.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
     reports = []
-    for rank_samples, rank_frames, rank_stop, *rest in msg[len(grads):].view(len(rows), -1).tolist():
+    for rank_samples, rank_frames, rank_stop, *rest in rows.tolist():
         values, flat = rest[:len(stats)], rest[len(stats):]
         rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
         reports.append((int(rank_samples), dict(zip(stats, values)), int(rank_frames), rank_episodes, bool(rank_stop)))
-    return msg[:len(grads)], reports
+    return grads, reports
 
 
 def share_weights(net, optimizer):
@@ -187,7 +187,7 @@ if __name__ == "__main__":
     with runs.Run(args, tracker, checkpoint_contents, rank) as run:
         for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
             episodes += new_episodes
-            # every rank sums every rank's gradient (and report) and applies the same step: the weights stay equal
+            # every rank sums every rank's gradient and applies the same step: the weights stay equal
             grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
             grads, reports = exchange(grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop)
             del episodes[:MAX_EPISODES]
