@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import platform
+import queue
 import re
 import shutil
 import subprocess
@@ -202,18 +203,44 @@ def timed_rate(step, items_per_step, seconds):
     return count * items_per_step / (time.perf_counter() - start)
 
 
-def env_ceiling(env_name, n_envs, seconds):
-    """Agent steps/s of the fast vector env alone, random actions."""
-    env = common.make_fast_env(env_name, n_envs)
+def env_ceiling(env_name, n_envs, seconds, threads=0, barrier=None):
+    """Agent steps/s of the fast vector env alone, random actions; with a barrier, timed from when
+    every process that waits on it is ready."""
+    env = common.make_fast_env(env_name, n_envs, threads)
     env.reset(seed=0)
     actions = np.zeros(n_envs, dtype=np.int64)
 
     def step():
         actions[:] = np.random.randint(env.single_action_space.n, size=n_envs)
         env.step(actions)
+    if barrier is not None:
+        barrier.wait()
     rate = timed_rate(step, n_envs, seconds)
     env.close()
     return rate
+
+
+def workers_ceiling(env_name, processes, n_envs, seconds):
+    """Agent steps/s of as many processes as the A3C workers, at once, each stepping n_envs envs with
+    one thread and random actions, as a worker does: what the emulators alone allow the workers."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    barrier, rates = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=put_env_rate, args=(rates, env_name, n_envs, seconds, barrier), daemon=True)
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        total = sum(rates.get(timeout=seconds + 300) for _ in procs)
+    except queue.Empty:
+        fail("a process of the workers' ceiling sent no rate within 5 minutes")
+    for proc in procs:
+        proc.join()
+    return total
+
+
+def put_env_rate(rates, env_name, n_envs, seconds, barrier):
+    """A process of workers_ceiling: its env's rate, with one thread."""
+    rates.put(env_ceiling(env_name, n_envs, seconds, threads=1, barrier=barrier))
 
 
 def real_states(env_name, batch):
@@ -378,6 +405,8 @@ def measure_ceilings(args, device):
         "DQN net": dqn_ceiling(args.env, space, n_actions, device, args.seconds),
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
+    if any(script.startswith("a3c") for script in args.scripts):
+        ceilings[args.workers] = workers_ceiling(args.env, args.a3c_processes, args.a3c_envs, args.seconds)
     if args.bf16:
         ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
         ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
@@ -391,7 +420,9 @@ def print_machine_and_ceilings(args, ceilings):
     print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s, "
           f"with {args.dqn_envs} envs {ceilings[f'env, {args.dqn_envs} envs']:.0f}; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
-          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s")
+          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s"
+          + (f"; {args.workers} (each one thread, random actions, at once) {ceilings[args.workers]:.0f} frames/s"
+             if args.workers in ceilings else ""))
     if args.bf16:
         print(f"Ceilings with bf16: DQN net {ceilings['DQN net bf16']:.0f} frames/s, "
               f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
@@ -430,7 +461,7 @@ def bench_speed(args, ceilings):
         summary = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
         print_compile_time(script, summary)
-        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", "env"]
+        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", args.workers]
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         if args.profile:
@@ -469,6 +500,9 @@ def main():
     args = parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
     args.dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
+    args.a3c_processes = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]   # and the A3C scripts' workers
+    args.a3c_envs = args.envs or a3c_data.HYPERPARAMS[args.env]["envs"]
+    args.workers = f"env, {args.a3c_processes} workers x {args.a3c_envs} envs"
     args.command = " ".join(["python bench.py"] + sys.argv[1:])
     args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if args.cuda else "")
     if args.bf16:

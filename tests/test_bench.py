@@ -225,6 +225,13 @@ def test_bench_measures_the_ceilings_and_each_script_and_tables_their_ratios(tmp
         assert float(rss.split()[0]) == pytest.approx(run["peak_rss"] / 2 ** 30, abs=0.006) and run["peak_rss"] > 0
 
 
+def test_the_workers_ceiling_is_the_sum_of_processes_stepping_at_once():
+    one = bench.env_ceiling("cartpole", 2, 0.5, threads=1)
+    both = bench.workers_ceiling("cartpole", 2, 2, 0.5)
+    # two processes at once, on a machine with two cores or more: more than one alone, at most twice
+    assert one < both < 2.5 * one
+
+
 @slow
 def test_bench_bf16_tables_each_script_in_both_precisions_and_their_ratio(tmp_path):
     code, out, err = bench_run(tmp_path, "--bf16", "--scripts", "dqn_fast")
