@@ -178,6 +178,7 @@ if __name__ == "__main__":
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
+
     if args.resume and rank == 0:   # go on where the stopped run was: rank 0 reads the checkpoint
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         frames = counters["frames"]

@@ -151,6 +151,7 @@ if __name__ == "__main__":
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
+
     if args.resume:   # go on where the stopped run was: its states, random generators and counter
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         frames = counters["frames"]

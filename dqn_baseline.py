@@ -106,6 +106,7 @@ if __name__ == "__main__":
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
         return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
                     exp_source=exp_source, train_steps=train_steps)
+
     if args.resume:   # go on where the stopped run was: its states, random generators and counters
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         train_steps = counters["train_steps"]

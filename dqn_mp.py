@@ -123,11 +123,12 @@ if __name__ == "__main__":
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     tracker = runs.RewardTracker(args, net, env)
     train_steps = 0   # over the whole run: the target net syncs every target_sync of them
-    frames = 0       # played, as the play process counts them: a resumed one goes on from there
+    frames = 0   # the play process's count, which each message brings: a resumed one goes on from there
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
         return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
                     frames=frames, train_steps=train_steps)
+
     if args.resume:   # go on where the stopped run was: its states, random generators and counters
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         train_steps = counters["train_steps"]

@@ -51,12 +51,12 @@ class ChildProcesses:
         while True:
             for ready in multiprocessing.connection.wait(self.pipes + list(sentinels), timeout=1.0):
                 if ready in sentinels:
-                    raise lost(sentinels[ready])
+                    raise process_lost(sentinels[ready])
                 try:
                     message = ready.recv()
                     ready.send(None)          # taken: the child may go on while this process works on it
                 except (EOFError, OSError):   # the child is gone, between messages or in the middle of one
-                    raise lost(owners[ready]) from None
+                    raise process_lost(owners[ready]) from None
                 yield message
 
     def __exit__(self, *exc):
@@ -72,7 +72,7 @@ class ChildProcesses:
             pipe.close()
 
 
-def lost(proc):
+def process_lost(proc):
     """The error that names a dead child and its exit code (and signal)."""
     proc.join(timeout=5)
     code = proc.exitcode

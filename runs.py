@@ -124,7 +124,6 @@ class EventWriter:
     def flush(self):
         self._call("flush")
 
-
     def close(self):
         self._call("close")
 
@@ -152,7 +151,7 @@ class RewardTracker:
     the mean of the last 100 episodes (solved at the env's bar), best.pt on a new best mean."""
 
     def __init__(self, args, net, env):
-        self.args, self.clock, self.writer = args, Clock(), None
+        self.args, self.clock, self.writer, self.last_print = args, Clock(), None, None   # Run opens the writer
         self.log_dir = args.resume or os.path.join(
             "runs", "-".join(filter(None, [args.script, args.env, args.name, time.strftime("%Y%m%d-%H%M%S")])))
         self.best_model = BestModel(args, net, env, os.path.join(self.log_dir, "best.pt"))
@@ -174,7 +173,7 @@ class RewardTracker:
 
     def update(self, frames, episodes):
         """Record the frame count and the finished (reward, steps) episodes; print progress now and then."""
-        self.frames, self.clock.updated = frames, time.perf_counter()
+        self.frames, self.clock.last_update = frames, time.perf_counter()
         for reward, steps in episodes:
             self.episodes += 1
             self.rewards.append(reward)
@@ -185,11 +184,11 @@ class RewardTracker:
             if len(self.rewards) == self.rewards.maxlen:   # judge only a full window of 100 episodes
                 self.best_model.save_if_best(self.writer, frames, mean)
                 self.solved = self.solved or mean >= common.STOP_REWARDS[self.args.env]
-            if self.clock.updated - self.last_print[1] >= 1.0 or self.solved:
-                fps = (frames - self.last_print[0]) / (self.clock.updated - self.last_print[1])
+            if self.clock.last_update - self.last_print[1] >= 1.0 or self.solved:
+                fps = (frames - self.last_print[0]) / (self.clock.last_update - self.last_print[1])
                 self.writer.add_scalar("train/avg_fps", fps, frames)
                 print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
-                self.last_print = (frames, self.clock.updated)
+                self.last_print = (frames, self.clock.last_update)
             if self.solved:  # the run ends here: later episodes must not move the mean it solved at
                 break
 
@@ -214,7 +213,7 @@ class Clock:
 
     def __init__(self):
         self.past = {"seconds": 0.0, "train_frames": 0, "train_seconds": 0.0}   # the segments before this one
-        self.start = self.stopped = self.updated = self.train_start = self.first_step_seconds = None
+        self.start = self.stopped = self.last_update = self.train_start = self.first_step_seconds = None
 
     def state_dict(self, frames):
         train_frames, train_seconds = self.train_totals(frames)
@@ -224,13 +223,16 @@ class Clock:
         self.past = {name: state[name] for name in self.past}
 
     def begin(self):
-        self.start = self.updated = time.perf_counter()
+        self.start = self.last_update = time.perf_counter()
         return self.start
+
+    def stop(self):
+        self.stopped = time.perf_counter()
 
     def trained(self, frames):
         if self.train_start is None:   # the first training step of this segment
             now = time.perf_counter()
-            self.first_step_seconds, self.train_start = now - self.updated, (frames, now)
+            self.first_step_seconds, self.train_start = now - self.last_update, (frames, now)
 
     def run_seconds(self):
         return self.past["seconds"] + ((self.stopped or time.perf_counter()) - self.start if self.start else 0.0)
@@ -302,9 +304,10 @@ class Checkpoints:
     the random generators; tensors and plain types only, so that it loads with weights_only."""
 
     def __init__(self, args, tracker, contents):
+        """contents: a function, so that each write reads the script's counters as they are then."""
         self.args, self.tracker, self.contents = args, tracker, contents
         self.path, self.interval = os.path.join(tracker.log_dir, CHECKPOINT), args.checkpoint_minutes * 60
-        self.last = tracker.clock.run_seconds()
+        self.last = tracker.clock.run_seconds()   # the run time of the last write: past segments' at the start
 
     def check_room(self):
         """One line where the disk has plainly too little room: a new checkpoint is written beside the old."""
@@ -340,7 +343,10 @@ class Checkpoints:
         checkpoint = {"format": CHECKPOINT_FORMAT, "script": self.args.script, "segments": self.args.segment + 1,
                       "options": {name: value for name, value in options.items() if name not in ("resume", "segment")},
                       "rng": rng_states(torch.device("cuda" if self.args.cuda else "cpu"))}
-        for name, value in self.contents().items():
+        contents = self.contents()
+        if checkpoint.keys() & contents.keys():   # a script's bug: its list may not name these
+            raise ValueError(f"checkpoint_contents() names {sorted(checkpoint.keys() & contents.keys())}")
+        for name, value in contents.items():
             checkpoint[name] = value.state_dict() if hasattr(value, "state_dict") else value
         save_whole(checkpoint, self.path)
         print(f"{self.tracker.frames}: checkpoint written, {os.path.getsize(self.path) / 1e6:.1f} MB in "
@@ -364,13 +370,18 @@ def restore(folder, contents, device):
     """Restore the objects that contents lists, and the random generators, from the checkpoint in
     folder; returns the counters it holds, for the script to take back. Nothing keeps the file mapped."""
     checkpoint = torch.load(os.path.join(folder, CHECKPOINT), map_location="cpu", mmap=True, weights_only=True)
+    missing = [name for name in contents if name not in checkpoint]
+    if missing:   # the script's list has changed since the checkpoint was written
+        print(f"{os.path.basename(sys.argv[0])}: error: --resume: the checkpoint in {folder} holds no "
+              f"{', '.join(missing)}: go on with the code that wrote it", file=sys.stderr, flush=True)
+        sys.exit(2)
     for name, value in contents.items():
         if isinstance(value, torch.optim.Optimizer):   # it keeps the tensors it is given: copies, not the file's
             value.load_state_dict(copy.deepcopy(checkpoint[name]))
-        elif hasattr(value, "load_state_dict"):
+        elif hasattr(value, "state_dict"):
             value.load_state_dict(checkpoint[name])
     set_rng_states(checkpoint["rng"], device)
-    return {name: checkpoint[name] for name, value in contents.items() if not hasattr(value, "load_state_dict")}
+    return {name: checkpoint[name] for name, value in contents.items() if not hasattr(value, "state_dict")}
 
 
 def rng_states(device):
@@ -399,10 +410,10 @@ class Run:
     """The with-block around a script's loop, which asks it between steps whether to stop. Every stop ends
     at its exit, where the last checkpoint, best.pt if none yet, and the summary are written."""
 
-    def __init__(self, args, tracker, contents, rank=0):
-        """contents: the script's function that lists what a checkpoint holds; rank: torchrun's, 0 writes."""
+    def __init__(self, args, tracker, checkpoint_contents, rank=0):
+        """checkpoint_contents: the script's function that lists what a checkpoint holds; rank: torchrun's."""
         self.args, self.tracker, self.rank, self.exit_code = args, tracker, rank, 0
-        self.checkpoints = Checkpoints(args, tracker, contents) if rank == 0 else None
+        self.checkpoints = Checkpoints(args, tracker, checkpoint_contents) if rank == 0 else None
 
     def __enter__(self):
         """The run begins: its folder and TensorBoard writer are made, its clock starts."""
@@ -419,7 +430,7 @@ class Run:
             sys.exit(2)
         if self.args.checkpoint_minutes:
             self.checkpoints.check_room()
-        tracker.last_print, self.checkpoints.last = (tracker.frames, tracker.clock.begin()), tracker.clock.run_seconds()
+        tracker.last_print = (tracker.frames, tracker.clock.begin())
         return self
 
     def should_stop(self):
@@ -433,8 +444,8 @@ class Run:
         return stop_signal is not None or self.tracker.solved or at_max
 
     def __exit__(self, exc_type, exc, tb):
-        """Exit codes: 0, 130 and 143 for Ctrl-C and SIGTERM (later ones ignored: torchrun sends two), 1 for
-        a lost process, with one line. Any other error is a bug: no checkpoint of a half-made state."""
+        """Exit codes: 0, 130 and 143 for Ctrl-C and SIGTERM (later ones ignored: torchrun sends two), 1 for a
+        lost process, 2 for a last checkpoint that failed (not a solve); any other error is a bug."""
         if exc_type is not None and exc_type is not ProcessLost:
             return False
         if exc_type is ProcessLost and stop_signal is None:   # a child that a signal ended is part of that stop
@@ -446,7 +457,7 @@ class Run:
             signal.signal(signum, signal.SIG_IGN)
         if self.rank:
             return True
-        self.tracker.clock.stopped = time.perf_counter()   # the run's clock stops: the writes below are not run time
+        self.tracker.clock.stop()   # the writes below are not run time
         if self.args.checkpoint_minutes and not self.checkpoints.write_at_stop():
             self.exit_code = 2 if not self.tracker.solved and self.exit_code != 1 else self.exit_code
         mean = float(np.mean(self.tracker.rewards)) if self.tracker.rewards else None

@@ -509,6 +509,19 @@ def test_a_stop_signal_is_taken_at_the_next_check_with_its_exit_code_and_a_check
     assert checkpoint["tracker"]["frames"] == 20 and checkpoint["tracker"]["rewards"] == [-21.0]
 
 
+def test_a_rank_other_than_0_writes_nothing_and_ends_with_its_own_line_and_code(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs, "stop_signal", None)
+    with runs.Run(fake_args(checkpoint_minutes=10), runs.SilentTracker(), None, rank=1) as run:
+        assert not run.should_stop()
+        raise runs.ProcessLost("lost a rank: Connection reset by peer")
+    assert run.exit_code == 1 and capsys.readouterr() == ("", "test.py: error: rank 1 lost a rank: Connection reset by peer\n")
+    with runs.Run(fake_args(checkpoint_minutes=10), runs.SilentTracker(), None, rank=1) as run:
+        runs.request_stop(signal.SIGTERM, None)
+        assert not run.should_stop()         # rank 0 decides, for every rank
+    assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
+
+
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with a_run(fake_args()) as (tracker, run):

@@ -276,6 +276,16 @@ def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(
     assert listing(tmp_path) == before
 
 
+def test_a_checkpoint_that_lacks_what_the_script_lists_stops_with_one_line(stopped_run, tmp_path):
+    checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
+    del checkpoint["train_steps"]   # as a script that counts something new meets an older run
+    torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
+    code, _, err = run_script("dqn_baseline", "--resume", str(tmp_path), cwd=tmp_path)
+    assert code == 2
+    assert our_lines(err) == [f"dqn_baseline.py: error: --resume: the checkpoint in {tmp_path} holds no train_steps: "
+                              "go on with the code that wrote it"]
+
+
 # the whole-run training step (Adam's own count, which the checkpoint carries) of every target net sync,
 # appended to $RL_TEST_SYNCS; with $RL_TEST_SIGTERM_AT, a SIGTERM to itself after that training step
 SYNCS_HOOK = """
@@ -323,6 +333,9 @@ def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_m
         run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "900")
     assert options["env"] == "cartpole" and options["max_frames"] == 900 and not options["bf16"]
     assert options["seed"] == runs.SEGMENT_SEED   # seed 0's first resumed segment plays new games
+    with pytest.raises(Made):
+        run_main("dqn_baseline", "--resume", str(stopped_run))
+    assert options["max_frames"] == 300          # the budget the run was last given
 
 
 # ---------------------------------------------------------------- a kill mid-write
@@ -421,6 +434,7 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
     assert checkpoint["tracker"]["frames"] == stopped["frames"] and checkpoint["tracker"]["episodes"] == stopped["episodes"]
     assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
+    assert checkpoint.get("frames", stopped["frames"]) == stopped["frames"]   # a script's own count, where it keeps one
     before = scalars(folder)
 
     env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
