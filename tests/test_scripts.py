@@ -453,8 +453,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("script", [script if script in ("dqn_baseline", "dqn_mp") else pytest.param(script, marks=slow)
-                                    for script in SCRIPTS + ["a3c_dist"]])
+@pytest.mark.parametrize("script", slow_but("dqn_mp", SCRIPTS + ["a3c_dist"]))   # dqn_mp: all three modules
 def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(script, tmp_path):
     modules = project_imports(script)
     assert {"common", "runs"} <= modules and ("processes" in modules) == (script in MP_SCRIPTS)
