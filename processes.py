@@ -1,10 +1,8 @@
-"""The processes of a run and what they share: child processes started with spawn and the messages
-they send, shared memory and its check, and the weights that the main process publishes for its
-children on a GPU."""
+"""A run's processes and what they share: children started with spawn and their messages, shared
+memory and its check, and the weights the main process publishes for its children on a GPU."""
 import copy
 import math
 import multiprocessing.connection
-import os
 import signal
 import sys
 import time
@@ -100,7 +98,7 @@ def share_memory(parser, *shared, page_locked=False):
     page_locked, page-lock this process's mapping too). Too little room (Docker gives /dev/shm 64 MB),
     counted first on Linux or as torch fails anywhere, stops the run with one line and exit code 2."""
     tensors = [tensor for item in shared for tensor in _tensors(item)]
-    needed, free = sum(tensor.nbytes for tensor in tensors), shm_free()
+    needed, free = sum(tensor.nbytes for tensor in tensors), runs.free_bytes("/dev/shm")   # None: macOS, Windows
     if free is not None and needed > free:
         parser.error(shm_short(needed, free))
     try:
@@ -122,15 +120,6 @@ def _tensors(item):
     return [item.flat]
 
 
-def shm_free():
-    """Bytes free in /dev/shm, where Linux keeps shared memory; None where there is none."""
-    try:
-        stat = os.statvfs("/dev/shm")
-    except (AttributeError, OSError):   # Windows has no statvfs, macOS no /dev/shm
-        return None
-    return stat.f_bavail * stat.f_frsize
-
-
 def shm_short(needed, free, error=None):
     """The one line for a run that needs `needed` bytes of shared memory and cannot have them."""
     size = 2 ** math.ceil(math.log2(2 * needed / 2 ** 20))   # MiB: twice the need, a power of 2
@@ -141,9 +130,8 @@ def shm_short(needed, free, error=None):
 
 
 def page_lock(tensor):
-    """Page-lock this process's own mapping of a shared CPU tensor, on Linux, until the tensor is freed:
-    copies to and from the GPU then skip the driver's staging buffer. A refusal raises now, not at
-    the next kernel launch. Why each process, and why not elsewhere: docs/HOW.md."""
+    """Page-lock this process's own mapping of a shared CPU tensor, on Linux, until the tensor is freed: GPU
+    copies skip the driver's staging buffer; a refusal raises now (why each process, why not elsewhere: HOW.md)."""
     if sys.platform != "linux" or tensor.is_pinned():
         return
     cudart = torch.cuda.cudart()

@@ -1,6 +1,5 @@
-"""A run's plumbing, which a script could do without: the options every script takes and their
-checks, what a run records (TensorBoard, best.pt, progress, the JSON summary), its checkpoint, and
-its stop on a signal or a lost process, with its exit code."""
+"""A run's plumbing, which a script could do without: its options and their checks, what it records
+(TensorBoard, best.pt, progress, the JSON summary), its checkpoint, its stop and its exit code."""
 import argparse
 import collections
 import contextlib
@@ -182,7 +181,8 @@ class RewardTracker:
                                 ("minutes", self.clock.run_seconds() / 60)):   # run time, over segments
                 self.writer.add_scalar(f"episodes/{name}", value, frames)
             if len(self.rewards) == self.rewards.maxlen:   # judge only a full window of 100 episodes
-                self.best_model.save_if_best(self.writer, frames, mean)
+                if self.best_model.mean is None or mean > self.best_model.mean:
+                    self.best_model.save(self.writer, frames, mean)
                 self.solved = self.solved or mean >= common.STOP_REWARDS[self.args.env]
             if self.clock.last_update - self.last_print[1] >= 1.0 or self.solved:
                 fps = (frames - self.last_print[0]) / (self.clock.last_update - self.last_print[1])
@@ -253,13 +253,9 @@ class BestModel:
         self.info = {"script": args.script, "env": args.env, "obs_shape": tuple(env.single_observation_space.shape),
                      "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
 
-    def save_if_best(self, writer, frames, mean):
-        if self.mean is None or mean > self.mean:
-            self.mean = mean
-            self.save(writer, frames, mean)
-
     def save(self, writer, frames, mean):
-        """Write it; a write that fails, one line until one succeeds."""
+        """Write it, the best so far at mean; a write that fails, one line until one succeeds."""
+        self.mean = mean
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
         writer.flush()   # the events first: a best.pt that fills the disk fails alone
         try:
@@ -299,9 +295,8 @@ def summary(tracker, mean):
 
 # ---------------------------------------------------------------- its checkpoint
 class Checkpoints:
-    """The run's checkpoint in its folder, every --checkpoint-minutes of run time and at the stop:
-    what the script's contents() lists (objects with state_dict(), plain counters), the options and
-    the random generators; tensors and plain types only, so that it loads with weights_only."""
+    """The run's checkpoint, every --checkpoint-minutes of run time and at the stop: what contents() lists,
+    the options and the random generators, in tensors and plain types (it loads with weights_only)."""
 
     def __init__(self, args, tracker, contents):
         """contents: a function, so that each write reads the script's counters as they are then."""
@@ -525,9 +520,8 @@ def bf16_native(device):
 
 
 def setup(parser, hyperparams):
-    """Parse and check the command line (with --resume, the checkpoint first: its options, checked
-    against those given) and make SIGINT and SIGTERM ask the run to stop; returns args and the env's
-    hyperparameters (from the script's table, as attributes)."""
+    """Parse and check the command line (with --resume, against the checkpoint's options) and make SIGINT
+    and SIGTERM ask the run to stop; returns args and the env's hyperparameters, as attributes."""
     args = parser.parse_args()
     args.script, args.segment = os.path.splitext(os.path.basename(sys.argv[0]))[0], 0
     if args.resume and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reads it, and sends it on
@@ -573,9 +567,8 @@ def check_writable(parser, folder):
 
 def compile_or_exit(parser, fn, mode, probe_args):
     """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile (no C++
-    compiler, a Python this torch cannot compile for) the run stops now, with one line that points to
-    dqn_fast.py. The compiler's notices of its own choices stay unprinted."""
-    torch._logging.set_logs(dynamo=logging.ERROR)
+    compiler, a Python this torch cannot compile for) the run stops now, with one line naming dqn_fast.py."""
+    torch._logging.set_logs(dynamo=logging.ERROR)   # the compiler's notices of its own choices stay unprinted
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
@@ -586,9 +579,8 @@ def compile_or_exit(parser, fn, mode, probe_args):
 
 
 def rank0_options(parser, args, hyperparams):
-    """Under torchrun, rank 0's options on every rank, and the hyperparameters of its env: a resumed
-    run's come from its checkpoint, which only rank 0 reads (ranks on other machines cannot see its
-    folder), and must have as many ranks."""
+    """Under torchrun, rank 0's options and its env's hyperparameters on every rank: only rank 0 reads a
+    resumed run's checkpoint (other machines cannot see its folder), which must have as many ranks."""
     options = [vars(args)]
     torch.distributed.broadcast_object_list(options, src=0)
     args, world_size = argparse.Namespace(**options[0]), torch.distributed.get_world_size()

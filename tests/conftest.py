@@ -90,10 +90,11 @@ def in_process(run_main, monkeypatch):
 
 @pytest.fixture
 def fake_shm_free(monkeypatch):
-    """Make /dev/shm report the given bytes free to os.statvfs."""
+    """Make /dev/shm report the given bytes free (and its whole size) to os.statvfs."""
     statvfs = os.statvfs
 
     def fake(free):
-        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
-                            if path == "/dev/shm" else statvfs(path))
+        blocks = free // 4096
+        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(
+            f_bavail=blocks, f_bfree=blocks, f_blocks=blocks, f_frsize=4096) if path == "/dev/shm" else statvfs(path))
     return fake

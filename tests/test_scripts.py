@@ -409,7 +409,7 @@ def test_a3c_grad_in_a_40_mib_dev_shm_stops_with_one_line_and_in_64_mib_runs(tmp
 @needs_proc
 def test_torchs_own_failure_where_shared_memory_runs_out_ends_with_one_line():
     # 84 MB into a 40 MiB /dev/shm, with no room counted first (as on macOS and Windows): torch fails
-    share = ("import processes, runs, torch; processes.shm_free = lambda: None; "
+    share = ("import processes, runs, torch; runs.free_bytes = lambda folder: None; "
              "processes.share_memory(runs.ArgumentParser('test', prog='test'), torch.ones(20 * 2 ** 20))")
     short = small_dev_shm(40, [sys.executable, "-c", share])
     if short is None:
@@ -436,6 +436,15 @@ def project_imports(module):
         todo += [alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
         todo += [node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
     return found
+
+
+@pytest.mark.parametrize("module", ["runs", "processes", "bench"])
+def test_no_class_or_function_of_the_plumbing_is_over_60_lines(module):
+    with open(os.path.join(REPO, f"{module}.py")) as f:
+        tree = ast.parse(f.read())
+    sizes = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert sizes and max(sizes.values()) <= 60, {name: lines for name, lines in sizes.items() if lines > 60}
 
 
 # runs a script as `python script.py ARGS` would, from the current folder, and prints where every
