@@ -192,12 +192,12 @@ def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same
     space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
     host, device = common.ReplayBuffer(500, space), dqn_compile.DeviceReplayBuffer(500, space, torch.device(device))
     checked = 0
-    for exps in pong_transitions(1100):
+    for step, exps in enumerate(pong_transitions(1100)):
         for exp in exps:
             host.append(exp)
         device.extend(exps)
         assert len(device) == len(host)
-        if any(exp.last_state is None for exp in exps) or len(host) in (7, 500):   # an end, part full, full
+        if any(exp.last_state is None for exp in exps) or step % 50 == 0:   # an end; part full, full, wrapped
             host.rng = np.random.default_rng(checked)
             idx = np.random.default_rng(checked).integers(0, len(host), 300)      # what host.sample draws
             for expected, got in zip(host.sample(300), device.transitions(torch.as_tensor(idx, device=device.device))):

@@ -712,7 +712,7 @@ def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
     tag = uuid.uuid4().hex
     (tmp_path / "ahead").mkdir()
     env = dict(hooked_env(tmp_path, SLOW_LEARNER_HOOK, tagged_env(tag)), RL_TEST_AHEAD=str(tmp_path / "ahead"))
-    code, _, err = run("dqn_mp", "--env", "cartpole", "--max-frames", "1600", cwd=tmp_path, env=env)
+    code, _, err = run("dqn_mp", "--env", "cartpole", "--max-frames", "1300", cwd=tmp_path, env=env)
     assert code == 0, err
     notes = [tuple(map(int, line.split())) for line in (tmp_path / "ahead" / "notes").read_text().splitlines()]
     assert len(notes) > 100
