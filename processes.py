@@ -131,7 +131,7 @@ def shm_short(needed, free, error=None):
 
 def page_lock(tensor):
     """Page-lock this process's own mapping of a shared CPU tensor, on Linux, until the tensor is freed: GPU
-    copies skip the driver's staging buffer; a refusal raises now (why each process, why not elsewhere: HOW.md)."""
+    copies skip the driver's staging buffer; a refusal raises now (why each process, and only Linux: docs/HOW.md)."""
     if sys.platform != "linux" or tensor.is_pinned():
         return
     cudart = torch.cuda.cudart()
