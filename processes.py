@@ -95,7 +95,7 @@ def _child_main(target, args, pipe):
 # ---------------------------------------------------------------- shared memory
 def share_memory(parser, *shared, page_locked=False):
     """Move each tensor, network or SharedWeights into shared memory before any child starts (with
-    page_locked, page-lock this process's mapping too). Too little room (Docker gives /dev/shm 64 MB),
+    page_locked, page-lock this process's mapping too). Too little room (Docker gives /dev/shm 64 MiB),
     counted first on Linux or as torch fails anywhere, stops the run with one line and exit code 2."""
     tensors = [tensor for item in shared for tensor in _tensors(item)]
     needed, free = sum(tensor.nbytes for tensor in tensors), runs.free_bytes("/dev/shm")   # None: macOS, Windows
