@@ -416,8 +416,8 @@ class Run:
         if self.rank:
             return self
         if self.args.resume:
-            print(f"going on with {tracker.log_dir} from frame {tracker.frames}: segment {self.args.segment + 1}",
-                  flush=True)
+            print(f"going on with {tracker.log_dir} from frame {tracker.frames}: segment {self.args.segment + 1}, "
+                  f"on the {'GPU' if self.args.cuda else 'CPU'}", flush=True)   # --cuda is each segment's own
         try:   # on resume, readers drop what the stopped run logged after its checkpoint: no curve doubles back
             tracker.writer = EventWriter(tracker.log_dir, tracker.frames + 1 if self.args.resume else None, self.args)
         except OSError as error:   # a disk that filled since the check at start-up

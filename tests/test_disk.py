@@ -134,7 +134,7 @@ def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
-        assert first == f"going on with {folder} from frame {summary(made.stdout)['frames']}: segment 2\n"
+        assert first == f"going on with {folder} from frame {summary(made.stdout)['frames']}: segment 2, on the CPU\n"
         while "checkpoint written" not in proc.stdout.readline():   # the checkpoint it resumed from is replaced
             assert proc.poll() is None, proc.stderr.read()
         with open(f"/proc/{proc.pid}/maps") as f:
