@@ -37,8 +37,8 @@ SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---------------------------------------------------------------- where the time goes (--profile)
-CATEGORIES = ["emulator", "acting", "training", "replay", "transport", "other"]
-COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#bab0ac"]
+CATEGORIES = ["emulator", "acting", "training", "replay", "transport", "waiting", "other"]
+COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#bab0ac"]
 # A sample of a process's main thread goes to the category of its innermost frame that a rule
 # names, else to "other". A rule: (category, a part of the frame's file or None for any file, the
 # frame's functions as py-spy names them, Class.method, or None for any function).
@@ -56,7 +56,11 @@ RULES = [
     ("training", "torch/nn/utils/clip_grad.py", None),
     ("replay", "common.py", {"ReplayBuffer.append", "ReplayBuffer.sample"}),
     ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
-    ("transport", "multiprocessing/connection.py", None),   # pipes: sending, receiving, waiting
+    # pipes: blocked until another process writes (a message, or that one was taken) is waiting;
+    # pickling, writing and unpickling a message is transport
+    ("waiting", "multiprocessing/connection.py", {"wait", "Connection._recv",
+                                                  "_exhaustive_wait", "PipeConnection._recv_bytes"}),   # Windows'
+    ("transport", "multiprocessing/connection.py", None),
     ("transport", "torch/distributed/", None),        # collectives
     ("transport", "processes.py", {"ChildProcesses.__iter__", "SharedWeights.publish", "SharedWeights.refresh",
                                    "SharedWeights.copy_to"}),
