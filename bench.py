@@ -189,7 +189,7 @@ def draw_profiles(profiles, path, title):
                               for first, (script, label, _) in zip(firsts, bars)], rotation=90, fontsize=7)
     ax.set_ylabel("share of the process's time (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(textwrap.fill(title, 110), fontsize=7)
+    ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=7)   # as wide as the figure
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
