@@ -57,9 +57,9 @@ RULES = [
     ("replay", "common.py", {"ReplayBuffer.append", "ReplayBuffer.sample"}),
     ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
     # pipes: blocked until another process writes (a message, or that one was taken) is waiting;
-    # pickling, writing and unpickling a message is transport
+    # pickling, writing and unpickling a message is transport (on Windows, the last two names wait)
     ("waiting", "multiprocessing/connection.py", {"wait", "Connection._recv",
-                                                  "_exhaustive_wait", "PipeConnection._recv_bytes"}),   # Windows'
+                                                  "_exhaustive_wait", "PipeConnection._recv_bytes"}),
     ("transport", "multiprocessing/connection.py", None),
     ("transport", "torch/distributed/", None),        # collectives
     ("transport", "processes.py", {"ChildProcesses.__iter__", "SharedWeights.publish", "SharedWeights.refresh",

@@ -254,7 +254,7 @@ class BestModel:
                      "n_actions": int(env.single_action_space.n), "bf16": args.bf16}
 
     def save(self, writer, frames, mean):
-        """Write it, the best so far at mean; a write that fails, one line until one succeeds."""
+        """Write it with mean, its mean as judged; a write that fails, one line until one succeeds."""
         self.mean = mean
         state = {name: tensor.cpu() for name, tensor in self.net.state_dict().items()}
         writer.flush()   # the events first: a best.pt that fills the disk fails alone
