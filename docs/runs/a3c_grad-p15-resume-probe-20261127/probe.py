@@ -1,9 +1,9 @@
 """python probe.py BEST_PT LR: what 120 envs starting new games at once (as after --resume) do to a
 trained a3c_grad network. Loads BEST_PT's network, plays 300 steps of 120 envs to spread the games,
-warms Adam (lr LR, eps 1e-3) with 60 steps of 480 samples, then takes 30 steps from that state twice:
+warms Adam (lr LR, the script's eps) with 60 steps of 480 samples, then takes 30 steps from that state twice:
 (a) the games going on, (b) 120 new games. Prints the share of the body's features that are positive
 on some of 240 fixed Pong states, the policy's entropy and the values' spread on them, and per step
-the gradient's norm before clipping (to 0.1), the mean advantage and the value loss."""
+the gradient's norm before clipping, the mean advantage and the value loss."""
 import copy, os, sys
 import numpy as np, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))   # the project's root
@@ -12,10 +12,12 @@ torch.manual_seed(0); torch.set_num_threads(2)
 LR = float(sys.argv[2])
 best = torch.load(sys.argv[1], weights_only=False)
 cpu = torch.device("cpu")
+P = a3c_grad.HYPERPARAMS["pong"]   # gamma, reward steps, entropy beta, clipping and Adam's eps: the script's
 
 def source(net, seed):
     env = common.make_fast_env("pong", 120, threads=2)
-    return env, iter(common.ExperienceSourceFirstLast(env, lambda s: a3c_grad.select_actions(net, s, cpu), 0.99, 4, seed=seed))
+    return iter(common.ExperienceSourceFirstLast(env, lambda s: a3c_grad.select_actions(net, s, cpu), P["gamma"],
+                                                 P["reward_steps"], seed=seed))
 
 def batch(it):
     exps = []
@@ -24,11 +26,11 @@ def batch(it):
     return exps
 
 def train(net, opt, it):
-    states, actions, refs = common.unpack_batch_a2c(batch(it), net, "cpu", 0.99)
+    states, actions, refs = common.unpack_batch_a2c(batch(it), net, "cpu", P["gamma"])
     opt.zero_grad()
-    loss, stats = a3c_grad.calc_loss_a2c(net, states, actions, refs, 0.01)
+    loss, stats = a3c_grad.calc_loss_a2c(net, states, actions, refs, P["entropy_beta"])
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), P["clip_grad"])
     opt.step()
     return round(float(norm), 3), round(float(stats["advantage"]), 4), round(float(stats["loss_value"]), 4)
 
@@ -46,9 +48,9 @@ def report(tag, net, extra=""):
     print(f"{tag}: alive {(f > 0).any(0).float().mean():.3f} entropy {-(p * p.log()).sum(1).mean():.3f} "
           f"value std {v.std():.3f} {extra}", flush=True)
 
-net = a3c_grad.A2C(probe_env.single_observation_space.shape, 6); net.load_state_dict(best["state_dict"])
-opt = torch.optim.Adam(net.parameters(), lr=LR, eps=1e-3)
-env, it = source(net, 1000)
+net = a3c_grad.A2C(probe_env.single_observation_space.shape, probe_env.single_action_space.n); net.load_state_dict(best["state_dict"])
+opt = torch.optim.Adam(net.parameters(), lr=LR, eps=P["adam_eps"])
+it = source(net, 1000)
 for _ in range(300):   # desynchronize the games before any training
     next(it)
 report("start", net)
@@ -58,7 +60,7 @@ for i in range(60):
 saved_net, saved_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
 for arm in ("games go on", "all envs reset"):
     net.load_state_dict(saved_net); opt.load_state_dict(copy.deepcopy(saved_opt))
-    run_it = it if arm == "games go on" else source(net, 2000)[1]
+    run_it = it if arm == "games go on" else source(net, 2000)
     for i in range(30):
         info = train(net, opt, run_it)
         if i % 5 == 4: report(f"{arm} {i + 1}", net, info)
