@@ -172,7 +172,8 @@ if __name__ == "__main__":
     args, params = runs.rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
     env = common.make_fast_env(args.env, params.envs, threads=1)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5   # by the batch's square root
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env) if rank == 0 else runs.SilentTracker()   # rank 0 records the run
     frames = 0   # played in all, over the whole run
 

@@ -145,7 +145,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    lr = params.learning_rate * (params.processes * params.micro_batch / 128) ** 0.5   # by the batch's square root
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env)
     frames = 0   # played in all, over the whole run
 

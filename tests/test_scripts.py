@@ -564,7 +564,7 @@ def lockstep_child_main(target, args, pipe):
     _child_main(lockstep_target, args, pipe)
 processes._child_main = lockstep_child_main
 """
-FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "3"]}
+FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "4"]}
 
 
 # the DQN scripts' third record is the first step after a target sync (CartPole's target_sync is 200)
@@ -577,15 +577,16 @@ FIRST_STEPS_AT = {"dqn_baseline": [1, 2, 201], "dqn_fast": [1, 2, 201], "dqn_mp"
 @pytest.mark.parametrize("script", SCRIPTS + ["a3c_dist"])
 def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_before(script, precision, tmp_path):
     # tests/first_steps.json: each parameter's sum after the listed Adam steps (CartPole, seed 7), recorded
-    # at 75347b4 on the CPU machine (AVX512, bf16 native); fp32 steps 1 and 2 are those of b1d08b5 but for a3c_data's and a3c_grad's step 2 (their
-    # workers now act in lock step). A change to the math, or to what the generators draw, moves these
-    # sums: the Pong solves on record count for code that passes this test
+    # at 75347b4 on the CPU machine (AVX512, bf16 native), a3c_grad's and a3c_dist's at 9e5add1 with 4 workers and 4
+    # ranks (128 samples a step: the table's learning rate); fp32 steps 1 and 2 are those of b1d08b5 but for
+    # a3c_data's step 2 (its workers now act in lock step) and a3c_grad's and a3c_dist's. A change to the math, or
+    # to what the generators draw, moves these sums: the Pong solves on record count for code that passes this test
     env = dict(hooked_env(tmp_path, FIRST_STEPS_HOOK), RL_TEST_STEPS=str(tmp_path / "steps.json"),
                RL_TEST_AT=json.dumps(FIRST_STEPS_AT[script]))
     args = ["--env", "cartpole", "--seed", "7", "--max-frames", "2000" if script in DQN_SCRIPTS else "3000",
             "--checkpoint-minutes", "0", *FIRST_STEPS_ARGS.get(script, []), *(["--bf16"] if precision == "bf16" else [])]
     if script == "a3c_dist":
-        proc = start_dist(*args, cwd=tmp_path, env=env)
+        proc = start_dist(*args, cwd=tmp_path, env=env, ranks=4)   # 4 x 32 samples a step, as 4 workers take
         err = proc.communicate(timeout=300)[1]
         code = proc.returncode
     else:
@@ -602,6 +603,22 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
                                   "bf16_native": runs.bf16_native(torch.device("cpu"))}
     for step in expected if same_kind else [step for step in expected if precision == "fp32" and step in ("1", "2")]:
         assert steps[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"after step {step}"
+
+
+@pytest.mark.parametrize("script", slow_but("a3c_grad", ["a3c_grad", "a3c_dist"]))
+def test_a3c_scales_the_learning_rate_by_the_square_root_of_its_batch(script, tmp_path):
+    # CartPole's 1e-3 is for 4 x 32 = 128 samples a step: one worker's 32 take 1e-3 * sqrt(32 / 128) = 5e-4
+    args = ["--env", "cartpole", "--max-frames", "500"]
+    if script == "a3c_dist":
+        proc = start_dist(*args, cwd=tmp_path, ranks=1)
+        err = proc.communicate(timeout=300)[1]
+        code = proc.returncode
+    else:
+        code, _, err = run(script, *args, "--processes", "1", cwd=tmp_path)
+    assert code == 0, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
+    assert checkpoint["optimizer"]["param_groups"][0]["lr"] == pytest.approx(5e-4)
 
 
 # ---------------------------------------------------------------- CartPole learning
