@@ -1,6 +1,7 @@
 """bench.py --profile: the rules that put a sample in a category, py-spy's raw output read back,
 a calibration against a child whose time is known, and short profiled runs; bench.py's measuring
-path on a tiny CartPole budget: ceilings, tables, ratios, a failed script (the runs: slow set)."""
+path on a tiny CartPole budget: ceilings, tables, ratios, a failed script (the calibration and the
+runs: slow set)."""
 import json
 import os
 import pathlib
@@ -125,6 +126,7 @@ if __name__ == "__main__":
 """
 
 
+@slow
 def test_calibration_a_child_that_waits_half_its_time_in_a_pipe_reads_half_waiting(tmp_path):
     """Sampling at 100 Hz for the 6 s of messages, about 600 samples of the child's messages (and 300
     of its start-up wait, which is waiting too): a binomial share of 600 has a standard deviation

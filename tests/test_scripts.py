@@ -1,5 +1,6 @@
 """End to end: every script answers bad input, runs on Pong, learns CartPole and stops cleanly.
-The fast tests launch each mechanism once; those marked slow (`pytest --all`) launch every script."""
+The fast tests launch each mechanism once; those marked slow (`pytest --all`) launch every script
+and learn CartPole."""
 import ast
 import collections
 import json
@@ -627,8 +628,9 @@ BUDGET = {"dqn_baseline": 50_000, "dqn_fast": 50_000, "dqn_mp": 50_000, "dqn_com
           "a3c_data": 600_000, "a3c_grad": 600_000, "a3c_dist": 600_000}
 
 
-@pytest.mark.parametrize("script, precision", slow_but(("dqn_fast", "bf16"), [
-    (script, precision) for precision in ("fp32", "bf16") for script in SCRIPTS]))
+@slow
+@pytest.mark.parametrize("script, precision", [(script, precision) for precision in ("fp32", "bf16")
+                                               for script in SCRIPTS])
 def test_learns_cartpole_within_budget(script, precision, tmp_path):
     code, out, err = run(script, "--env", "cartpole", "--seed", "1", "--max-frames", str(BUDGET[script]),
                          *(["--bf16"] if precision == "bf16" else []), cwd=tmp_path)
@@ -656,7 +658,7 @@ torch.cpu.get_capabilities = lambda: types.MappingProxyType(
 """
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", slow_but(False, [True, False]))
 def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(native, tmp_path):
     env = dict(hooked_env(tmp_path, CPU_HOOK), RL_TEST_BF16="1" if native else "0")
     code, out, err = run("dqn_baseline", "--env", "cartpole", "--bf16", "--max-frames", "300", cwd=tmp_path, env=env)
@@ -784,10 +786,10 @@ def test_normal_end_leaves_no_process(script, tmp_path):
     assert_none_left(tag)
 
 
+@slow
 @needs_proc
-@pytest.mark.parametrize("script, signum, code", slow_but(
-    ("dqn_fast", signal.SIGTERM, 143),
-    [(script, signum, 128 + signum) for script in SCRIPTS for signum in (signal.SIGINT, signal.SIGTERM)]))
+@pytest.mark.parametrize("script, signum, code",
+                         [(script, signum, 128 + signum) for script in SCRIPTS for signum in (signal.SIGINT, signal.SIGTERM)])
 def test_sigint_and_sigterm_stop_everything_with_a_summary_and_exit_codes_130_and_143(script, signum, code,
                                                                                        tmp_path):
     tag = uuid.uuid4().hex
