@@ -44,6 +44,14 @@ def labels(folders):
     return [s if short.count(s) == 1 else f for s, f in zip(short, folders)]
 
 
+def styles(count):
+    """A colour and line style for each of count curves, no two alike: the colour cycle's ten
+    colours solid, then again dashed, dotted, dash-dotted."""
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [{"color": colors[i % len(colors)], "linestyle": ("-", "--", ":", "-.")[i // len(colors) % 4]}
+            for i in range(count)]
+
+
 if __name__ == "__main__":
     parser = runs.ArgumentParser(__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
@@ -60,8 +68,8 @@ if __name__ == "__main__":
         parser.error(f"cannot write {args.output}: {error.strerror}")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     folders = [folder for folder, _, _ in curves]
-    for label, (_, xs, ys) in zip(labels(folders), curves):
-        ax.plot(xs, ys, label=label)
+    for label, style, (_, xs, ys) in zip(labels(folders), styles(len(curves)), curves):
+        ax.plot(xs, ys, label=label, **style)
     envs = {part for folder in folders for part in folder.split("-")[1:2]}  # runs/<script>-<env>-...
     for env in sorted(envs & common.STOP_REWARDS.keys()):
         ax.axhline(common.STOP_REWARDS[env], color="grey", linestyle="--", label=f"{env} solved")

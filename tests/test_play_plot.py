@@ -329,6 +329,13 @@ def test_plot_labels_are_script_env_and_name_with_the_time_only_where_needed():
     assert plot.labels(folders) == folders[:2] + ["a3c_data-pong"]
 
 
+def test_plot_gives_no_two_curves_the_same_colour_and_line_style():
+    # the colour cycle has ten colours; docs/pong_reward.png draws more runs than that
+    styles = [(style["color"], style["linestyle"]) for style in plot.styles(40)]
+    assert len(set(styles)) == 40
+    assert styles[:10] == [(color, "-") for color, _ in styles[:10]] and styles[10][1] == "--"
+
+
 def events_without_episodes(folder):
     """A run folder whose events hold training scalars but no finished episode."""
     with SummaryWriter(str(folder)) as writer:
