@@ -216,7 +216,7 @@ if __name__ == "__main__":
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     if args.cuda:
-        torch.set_float32_matmul_precision("high")   # fp32 matmuls on TF32 tensor cores, as cuDNN's convolutions run
+        torch.set_float32_matmul_precision("high")   # fp32 matmuls on TF32 tensor cores, as convolutions already are
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     env = common.make_fast_env(args.env, args.envs)
