@@ -49,6 +49,16 @@ def summary(out):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def made_run(where, frames):
+    """A run of dqn_fast on CartPole stopped at frames, made in the folder where on the ordinary disk:
+    its run folder and its summary."""
+    where.mkdir(exist_ok=True)
+    proc = subprocess.run([*SCRIPT, "--max-frames", str(frames)], cwd=where, capture_output=True, text=True,
+                          check=True, timeout=120)
+    (folder,) = (where / "runs").iterdir()
+    return folder, summary(proc.stdout)
+
+
 FULL = r"cannot write runs/dqn_fast-cartpole-[\d-]+/{} \(No space left on device\): it needs about [\d.]+ [kMG]B, [\d.]+ kB free"
 ROOM = (r"dqn_fast.py: warning: runs/dqn_fast-cartpole-[\d-]+ has [\d.]+ kB free, and this run's checkpoint takes up to "
         r"[\d.]+ kB, twice that while a new one replaces it: run from a folder on a larger disk, or give "
@@ -70,10 +80,7 @@ def test_a_read_only_runs_folder_stops_the_run_at_once_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_resume_of_a_folder_on_a_read_only_disk_stops_at_once_with_one_line(tmp_path):
-    made = tmp_path / "made"
-    made.mkdir()
-    subprocess.run([*SCRIPT, "--max-frames", "300"], cwd=made, capture_output=True, check=True, timeout=120)
-    (folder,) = (made / "runs").iterdir()
+    folder, _ = made_run(tmp_path / "made", 300)
     code, out, err = run_on_small_disk(tmp_path, 2048, "--resume", f"runs/{folder.name}", read_only=True,
                                        copy=str(folder))
     assert code == 2 and out == ""
@@ -85,11 +92,7 @@ def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_g
     # of its folder's size and 160 KiB more: room for a new best.pt (72 kB) and the events (under 30 kB),
     # never for a new checkpoint beside the old, which only grows (a run stopped before the first step
     # writes one of 160 kB, which a small disk can hold or not, as the machine's speed has it)
-    made = tmp_path / "made"
-    made.mkdir()
-    first = subprocess.run([*SCRIPT, "--max-frames", "1200"], cwd=made, capture_output=True, text=True,
-                           check=True, timeout=120)
-    (folder,) = (made / "runs").iterdir()
+    folder, first = made_run(tmp_path / "made", 1200)
     kib = sum(-(-path.stat().st_size // 4096) * 4 for path in folder.iterdir()) + 160   # in tmpfs pages
     code, out, err = run_on_small_disk(tmp_path, kib, "--resume", f"runs/{folder.name}", "--max-frames", "5000",
                                        "--checkpoint-minutes", "0.005", copy=str(folder))
@@ -101,7 +104,7 @@ def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_g
                             r"stays, the run goes on and tries again after 0.3 s", line), line
     result = summary(out)
     assert result["frames"] >= 5000 and not result["solved"]
-    assert len(lines) - 2 <= (result["seconds"] - summary(first.stdout)["seconds"]) / 0.3 + 1
+    assert len(lines) - 2 <= (result["seconds"] - first["seconds"]) / 0.3 + 1
     # the stop's own checkpoint fails too: with no checkpoint to go on from, the run ends with code 2
     assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
                         lines[-1]), lines[-1]
@@ -136,15 +139,13 @@ def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_
 # ---------------------------------------------------------------- a resumed run's mapping
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc/PID/maps")
 def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
-    made = subprocess.run([*SCRIPT, "--max-frames", "1200"], cwd=tmp_path, capture_output=True, text=True, check=True,
-                          timeout=120)
-    (folder,) = (tmp_path / "runs").iterdir()
+    folder, made = made_run(tmp_path, 1200)
     proc = subprocess.Popen([*SCRIPT, "--resume", str(folder), "--max-frames", "1000000000",
                              "--checkpoint-minutes", "0.005"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
-        assert first == f"going on with {folder} from frame {summary(made.stdout)['frames']}: segment 2, on the CPU\n"
+        assert first == f"going on with {folder} from frame {made['frames']}: segment 2, on the CPU\n"
         while "checkpoint written" not in proc.stdout.readline():   # the checkpoint it resumed from is replaced
             assert proc.poll() is None, proc.stderr.read()
         with open(f"/proc/{proc.pid}/maps") as f:
