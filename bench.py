@@ -224,9 +224,9 @@ def env_ceiling(env_name, n_envs, seconds, threads=0, barrier=None):
     return rate
 
 
-def workers_ceiling(env_name, processes, n_envs, seconds):
-    """Agent steps/s of as many processes as the A3C workers, at once, each stepping n_envs envs with
-    one thread and random actions, as a worker does: what the emulators alone allow the workers."""
+def workers_rates(env_name, processes, n_envs, seconds):
+    """Agent steps/s of each of as many processes as the A3C workers, stepping at once, each n_envs
+    envs with one thread and random actions, as a worker does."""
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, rates = ctx.Barrier(processes), ctx.Queue()
     procs = [ctx.Process(target=put_env_rate, args=(rates, env_name, n_envs, seconds, barrier), daemon=True)
@@ -234,16 +234,16 @@ def workers_ceiling(env_name, processes, n_envs, seconds):
     for proc in procs:
         proc.start()
     try:
-        total = sum(rates.get(timeout=seconds + 300) for _ in procs)
+        got = [rates.get(timeout=seconds + 300) for _ in procs]
     except queue.Empty:
         fail("a process of the workers' ceiling sent no rate within 5 minutes")
     for proc in procs:
         proc.join()
-    return total
+    return got
 
 
 def put_env_rate(rates, env_name, n_envs, seconds, barrier):
-    """A process of workers_ceiling: its env's rate, with one thread."""
+    """A process of workers_rates: its env's rate, with one thread."""
     rates.put(env_ceiling(env_name, n_envs, seconds, threads=1, barrier=barrier))
 
 
@@ -410,7 +410,8 @@ def measure_ceilings(args, device):
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     if any(script.startswith("a3c") for script in args.scripts):
-        ceilings[args.workers] = workers_ceiling(args.env, args.a3c_processes, args.a3c_envs, args.seconds)
+        # what the emulators alone allow the workers: their processes step at once, so their rates add up
+        ceilings[args.workers] = sum(workers_rates(args.env, args.a3c_processes, args.a3c_envs, args.seconds))
     if args.bf16:
         ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
         ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
