@@ -382,6 +382,7 @@ def test_classic_and_fast_atari_pipelines_give_identical_observations():
         fast.close()
 
 
+@pytest.mark.slow
 def test_classic_and_fast_atari_pipelines_start_episodes_alike():
     # frames played before the first observation: FIRE, then 0 to 28 no-ops, 0 twice as likely
     classic = common.make_python_env("pong", 1)

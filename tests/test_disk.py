@@ -87,6 +87,7 @@ def test_resume_of_a_folder_on_a_read_only_disk_stops_at_once_with_one_line(tmp_
     assert our_lines(err) == [f"dqn_fast.py: error: cannot write in runs/{folder.name} (Read-only file system)"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_goes_on(tmp_path):
     # a run past its first training step, its checkpoint (355 kB) holding Adam's moments, resumed on a disk
     # of its folder's size and 160 KiB more: room for a new best.pt (72 kB) and the events (under 30 kB),
@@ -137,6 +138,7 @@ def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_
 
 
 # ---------------------------------------------------------------- a resumed run's mapping
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc/PID/maps")
 def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
     folder, made = made_run(tmp_path, 1200)
