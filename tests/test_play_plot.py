@@ -204,6 +204,7 @@ def test_play_acts_greedily_with_the_network_of_each_dqn_script(script):
     assert (play.build_agent(checkpoint, torch.device("cpu"))(states) == greedy).all()
 
 
+@slow
 def test_play_rebuilds_a_bf16_run_at_its_precision(tmp_path_factory, tmp_path, monkeypatch):
     run_dir = trained_run(tmp_path_factory, "a3c_data", "--env", "cartpole", "--max-frames", "2000",
                           "--processes", "1", "--bf16")

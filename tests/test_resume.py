@@ -306,6 +306,7 @@ torch.optim.Adam.step, torch.nn.Module.load_state_dict = counting_step, recordin
 """
 
 
+@pytest.mark.slow
 def test_a_resumed_dqn_run_syncs_its_target_net_at_whole_run_steps(tmp_path):
     # CartPole: training from frame 1000, a sync every 200 steps; a SIGTERM at step 300, between two syncs
     env = dict(hooked_env(tmp_path, SYNCS_HOOK), RL_TEST_SYNCS=str(tmp_path / "syncs"))

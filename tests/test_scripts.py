@@ -303,6 +303,7 @@ def test_bad_input_from_the_shell_exits_with_code_2_and_no_traceback(script, arg
     assert code == 2 and line.startswith(f"{script}.py: error:") and out == ""
 
 
+@slow
 def test_dqn_compile_without_a_working_compiler_ends_with_one_line_and_exit_code_2(tmp_path):
     # a compiler that is not there, and a cache of its own: no kernel compiled before can stand in
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
