@@ -449,17 +449,19 @@ def test_no_class_or_function_of_the_plumbing_is_over_60_lines(module):
     assert sizes and max(sizes.values()) <= 60, {name: lines for name, lines in sizes.items() if lines > 60}
 
 
-# runs a script as `python script.py ARGS` would, from the current folder, and prints where every
-# project module that it loaded came from, at any exit (a3c_dist ends with os._exit)
+# runs a script as `python script.py ARGS` would, from the current folder, and writes where every
+# project module that it loaded came from, at any exit (a3c_dist ends with os._exit), to a file of its
+# own in a folder: torchrun's processes share one stdout, where their lines can run into each other
 ALONE = """
 import atexit, json, os, runpy, sys
-names = sys.argv[1].split(",")
+names, folder = sys.argv[1].split(","), sys.argv[2]
 def report():
-    print("LOADED " + json.dumps({name: sys.modules[name].__file__ for name in names if name in sys.modules}), flush=True)
+    with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+        json.dump({name: sys.modules[name].__file__ for name in names if name in sys.modules}, f)
 atexit.register(report)
 _exit = os._exit
 os._exit = lambda code: (report(), _exit(code))
-sys.argv = sys.argv[2:]
+sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -468,23 +470,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(script, tmp_path):
     modules = project_imports(script)
     assert {"common", "runs"} <= modules and ("processes" in modules) == (script in MP_SCRIPTS)
+    alone, reports = tmp_path / "alone", tmp_path / "loaded"
+    alone.mkdir()
+    reports.mkdir()
     for name in modules:
-        shutil.copy(os.path.join(REPO, f"{name}.py"), tmp_path)
+        shutil.copy(os.path.join(REPO, f"{name}.py"), alone)
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     names = ",".join(sorted(os.path.splitext(name)[0] for name in os.listdir(REPO) if name.endswith(".py")))
-    command = ["-c", ALONE, names, f"{script}.py", "--env", "cartpole", "--max-frames",
+    command = ["-c", ALONE, names, str(reports), f"{script}.py", "--env", "cartpole", "--max-frames",
                "1500" if script in DQN_SCRIPTS else "3000", "--checkpoint-minutes", "0"]
     if script == "a3c_dist":
         command = [*TORCHRUN, "2", "--no-python", sys.executable, *command]
-    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, *command], cwd=alone, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
-    reports = [json.loads(line[len("LOADED "):]) for line in proc.stdout.splitlines() if line.startswith("LOADED ")]
-    assert len(reports) == (2 if script == "a3c_dist" else 1)   # one a process that the command starts
-    for loaded in reports:
-        assert set(loaded) == modules - {script} and {os.path.dirname(path) for path in loaded.values()} == {str(tmp_path)}
-    out = "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("LOADED "))
-    assert summary(out)["train_frames"] > 0   # it trained
+    loaded = [json.loads(path.read_text()) for path in reports.iterdir()]
+    assert len(loaded) == (2 if script == "a3c_dist" else 1)   # one a process that the command starts
+    for found in loaded:
+        assert set(found) == modules - {script} and {os.path.dirname(path) for path in found.values()} == {str(alone)}
+    assert summary(proc.stdout)["train_frames"] > 0   # it trained
 
 
 # ---------------------------------------------------------------- Pong, tiny budget
