@@ -466,7 +466,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("script", slow_but("dqn_mp", SCRIPTS + ["a3c_dist"]))   # dqn_mp: all three modules
+@slow
+@pytest.mark.parametrize("script", SCRIPTS + ["a3c_dist"])
 def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(script, tmp_path):
     modules = project_imports(script)
     assert {"common", "runs"} <= modules and ("processes" in modules) == (script in MP_SCRIPTS)
@@ -611,7 +612,8 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
         assert steps[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"after step {step}"
 
 
-@pytest.mark.parametrize("script", slow_but("a3c_grad", ["a3c_grad", "a3c_dist"]))
+@slow
+@pytest.mark.parametrize("script", ["a3c_grad", "a3c_dist"])
 def test_a3c_scales_the_learning_rate_by_the_square_root_of_its_batch(script, tmp_path):
     # CartPole's 1e-3 is for 4 x 32 = 128 samples a step: one worker's 32 take 1e-3 * sqrt(32 / 128) = 5e-4
     args = ["--env", "cartpole", "--max-frames", "500"]
@@ -684,8 +686,8 @@ def test_learns_cartpole_with_cuda_within_budget(script, tmp_path):
     assert summary(out)["solved"]
 
 
-@pytest.mark.parametrize("script, envs", slow_but(("dqn_fast", 3), [("dqn_baseline", 1), ("dqn_fast", 3),
-                                                                   ("dqn_mp", 3)]))
+@slow
+@pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
 def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     args = ["--env", "cartpole", "--max-frames", "3000"] + (["--envs", str(envs)] if envs > 1 else [])
     env = dict(hooked_env(tmp_path, SAMPLES_HOOK), RL_TEST_SAMPLES=str(tmp_path / "samples"))
@@ -865,7 +867,7 @@ def spawned_children(tag):
 
 
 @needs_proc
-@pytest.mark.parametrize("script", slow_but("a3c_grad", MP_SCRIPTS))
+@pytest.mark.parametrize("script", slow_but("dqn_mp", MP_SCRIPTS))
 def test_ctrl_c_to_the_process_group_stops_everything_with_one_summary(script, tmp_path):
     tag = uuid.uuid4().hex
     proc = start(script, "--env", "cartpole", cwd=tmp_path, env=tagged_env(tag))
