@@ -89,11 +89,11 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
 def data_func(params, args, weights, worker_id, *, send):
     """Worker process: play its envs with the main process's net (its published weights on a GPU),
     send n-step samples, their reference values bootstrapped with that net, in micro-batches."""
-    torch.set_num_threads(1)   # one core per worker
+    torch.set_num_threads(1)   # the network on one thread; the envs step on the worker's share of the cores
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
-    env = common.make_fast_env(args.env, params.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs, threads=common.cores_per_process(params.processes))
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * params.envs)

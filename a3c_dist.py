@@ -166,11 +166,12 @@ if __name__ == "__main__":
     if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)  # where calls that take the current device land
-    torch.set_num_threads(1)  # one core per rank
+    torch.set_num_threads(1)  # the network on one thread; the envs step on the rank's share of the cores
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank = dist.get_rank()
     args, params = runs.rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
-    env = common.make_fast_env(args.env, params.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs,   # the ranks on this machine share its cores
+                               threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])))
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5   # by the batch's square root
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)

@@ -90,13 +90,13 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     """Worker process: play its envs with the main process's net (its published weights on a GPU);
     for each batch, wait for the optimizer step that took its last gradient, then put the gradient
     at the new weights in its slot and send what goes with it."""
-    torch.set_num_threads(1)   # one core per worker
+    torch.set_num_threads(1)   # the network on one thread; the envs step on the worker's share of the cores
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
     if args.cuda:
         processes.page_lock(grad_slots)  # for speed: its gradient is copied off the GPU into its slot every step
-    env = common.make_fast_env(args.env, params.envs, threads=1)
+    env = common.make_fast_env(args.env, params.envs, threads=common.cores_per_process(params.processes))
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * params.envs)

@@ -224,12 +224,12 @@ def env_ceiling(env_name, n_envs, seconds, threads=0, barrier=None):
     return rate
 
 
-def workers_rates(env_name, processes, n_envs, seconds):
-    """Agent steps/s of each of as many processes as the A3C workers, stepping at once, each n_envs
-    envs with one thread and random actions, as a worker does."""
+def workers_rates(env_name, processes, n_envs, seconds, threads):
+    """Agent steps/s of each of `processes` processes stepping at once, each n_envs envs on `threads`
+    emulator threads with random actions."""
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, rates = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=put_env_rate, args=(rates, env_name, n_envs, seconds, barrier), daemon=True)
+    procs = [ctx.Process(target=put_env_rate, args=(rates, env_name, n_envs, seconds, threads, barrier), daemon=True)
              for _ in range(processes)]
     for proc in procs:
         proc.start()
@@ -242,9 +242,9 @@ def workers_rates(env_name, processes, n_envs, seconds):
     return got
 
 
-def put_env_rate(rates, env_name, n_envs, seconds, barrier):
-    """A process of workers_rates: its env's rate, with one thread."""
-    rates.put(env_ceiling(env_name, n_envs, seconds, threads=1, barrier=barrier))
+def put_env_rate(rates, env_name, n_envs, seconds, threads, barrier):
+    """A process of workers_rates: its env's rate."""
+    rates.put(env_ceiling(env_name, n_envs, seconds, threads, barrier))
 
 
 def real_states(env_name, batch):
@@ -410,8 +410,11 @@ def measure_ceilings(args, device):
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     if any(script.startswith("a3c") for script in args.scripts):
-        # what the emulators alone allow the workers: their processes step at once, so their rates add up
-        ceilings[args.workers] = sum(workers_rates(args.env, args.a3c_processes, args.a3c_envs, args.seconds))
+        # what the emulators alone allow the workers, each on its share of the cores: their rates add up
+        ceilings[args.workers] = sum(workers_rates(args.env, args.a3c_processes, args.a3c_envs, args.seconds,
+                                                   common.cores_per_process(args.a3c_processes)))
+        # and what every core allows: a process a core, each stepping 8 envs on one thread
+        ceilings[args.all_cores] = sum(workers_rates(args.env, common.cores_per_process(1), 8, args.seconds, 1))
     if args.bf16:
         ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
         ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
@@ -426,8 +429,9 @@ def print_machine_and_ceilings(args, ceilings):
           f"with {args.dqn_envs} envs {ceilings[f'env, {args.dqn_envs} envs']:.0f}; "
           f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
           f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s"
-          + (f"; {args.workers} (each one thread, random actions, at once) {ceilings[args.workers]:.0f} frames/s"
-             if args.workers in ceilings else ""))
+          + (f"; {args.workers} (random actions, at once) {ceilings[args.workers]:.0f} frames/s; "
+             f"{args.all_cores} (a process a core, 8 envs each on one thread, random actions, at once) "
+             f"{ceilings[args.all_cores]:.0f} frames/s" if args.workers in ceilings else ""))
     if args.bf16:
         print(f"Ceilings with bf16: DQN net {ceilings['DQN net bf16']:.0f} frames/s, "
               f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
@@ -466,7 +470,7 @@ def bench_speed(args, ceilings):
         summary = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
         print_compile_time(script, summary)
-        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", args.workers]
+        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", args.all_cores]
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         if args.profile:
@@ -507,7 +511,9 @@ def main():
     args.dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
     args.a3c_processes = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]   # and the A3C scripts' workers
     args.a3c_envs = args.envs or a3c_data.HYPERPARAMS[args.env]["envs"]
-    args.workers = f"env, {args.a3c_processes} workers x {args.a3c_envs} envs"
+    threads = common.cores_per_process(args.a3c_processes)   # a worker's emulator threads
+    args.workers = f"env, {args.a3c_processes} workers x {args.a3c_envs} envs on {threads} thread{'s' * (threads > 1)} each"
+    args.all_cores = f"env, all {common.cores_per_process(1)} cores"
     args.command = " ".join(["python bench.py"] + sys.argv[1:])
     args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if args.cuda else "")
     if args.bf16:

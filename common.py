@@ -2,6 +2,7 @@
 experience source, the replay buffer and batch unpacking. What a user changes lives in each script;
 the run's plumbing in runs.py and processes.py."""
 import collections
+import os
 
 import ale_py
 import gymnasium as gym
@@ -65,6 +66,13 @@ def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
     return ale_py.vector_env.AtariVectorEnv(
         game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=FRAME_SKIP, stack_num=4,
         repeat_action_probability=0.0, reward_clipping=False)
+
+
+def cores_per_process(processes):
+    """The cores this process may use, shared among `processes` processes that step their envs at
+    once (at least 1): emulator threads each. Each env steps alone, so threads change no result."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()   # macOS, Windows
+    return max(1, cores // processes)
 
 
 # ---------------------------------------------------------------- experience

@@ -236,7 +236,7 @@ def test_bench_measures_the_ceilings_and_each_script_and_tables_their_ratios(tmp
 
 
 def test_the_workers_ceiling_has_a_rate_from_each_process_and_leaves_none_behind():
-    rates = bench.workers_rates("cartpole", 2, 2, 0.2)
+    rates = bench.workers_rates("cartpole", 2, 2, 0.2, 1)
     assert len(rates) == 2 and min(rates) > 0
     assert not multiprocessing.active_children()
 

@@ -382,6 +382,32 @@ def test_classic_and_fast_atari_pipelines_give_identical_observations():
         fast.close()
 
 
+def test_the_fast_pipelines_emulator_threads_change_no_observation_reward_or_episode_start():
+    one, two = common.make_fast_env("pong", 4, threads=1), common.make_fast_env("pong", 4, threads=2)
+    try:
+        assert np.array_equal(one.reset(seed=3)[0], two.reset(seed=3)[0])
+        rng = np.random.default_rng(0)
+        for step in range(100):
+            actions = rng.integers(0, one.single_action_space.n, 4)
+            for name, a, b in zip(["obs", "reward", "terminated", "truncated"], one.step(actions), two.step(actions)):
+                assert np.array_equal(a, b), f"{name} differs at step {step}"
+        for _ in range(3):   # new episodes: each env draws its own no-ops, on whichever thread runs it
+            (obs_one, info_one), (obs_two, info_two) = one.reset(), two.reset()
+            assert np.array_equal(obs_one, obs_two)
+            assert np.array_equal(info_one["episode_frame_number"], info_two["episode_frame_number"])
+    finally:
+        one.close()
+        two.close()
+
+
+def test_cores_per_process_shares_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [common.cores_per_process(n) for n in [1, 4, 5, 15, 16, 32]] == [16, 4, 3, 1, 1, 1]
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)   # macOS and Windows have none
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [common.cores_per_process(n) for n in [1, 4, 9]] == [8, 2, 1]
+
+
 @pytest.mark.slow
 def test_classic_and_fast_atari_pipelines_start_episodes_alike():
     # frames played before the first observation: FIRE, then 0 to 28 no-ops, 0 twice as likely
