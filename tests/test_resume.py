@@ -4,6 +4,7 @@ each script on CartPole with SIGTERM, resumes it and sees it solve."""
 import copy
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -218,10 +219,18 @@ def run_script(script, *args, cwd, env=None, timeout=300):
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
-    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint."""
+    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint; made
+    in this process, whose signal handlers the run's end leaves as they were."""
     cwd = tmp_path_factory.mktemp("stopped")
-    code, out, err = run_script("dqn_baseline", "--env", "cartpole", "--max-frames", "300", cwd=cwd)
-    assert code == 0, err
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    script = os.path.join(REPO, "dqn_baseline.py")
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_info:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", [script, "--env", "cartpole", "--max-frames", "300"])
+        runpy.run_path(script, run_name="__main__")
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    assert exit_info.value.code == 0
     (folder,) = (cwd / "runs").iterdir()
     return folder
 
@@ -276,47 +285,15 @@ def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(
     assert listing(tmp_path) == before
 
 
-def test_a_checkpoint_that_lacks_what_the_script_lists_stops_with_one_line(stopped_run, tmp_path):
+def test_a_checkpoint_that_lacks_what_the_script_lists_stops_with_one_line(stopped_run, tmp_path, run_main,
+                                                                         monkeypatch, capsys):
     checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
     del checkpoint["train_steps"]   # as a script that counts something new meets an older run
     torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
-    code, _, err = run_script("dqn_baseline", "--resume", str(tmp_path), cwd=tmp_path)
-    assert code == 2
-    assert our_lines(err) == [f"dqn_baseline.py: error: --resume: the checkpoint in {tmp_path} holds no train_steps: "
+    monkeypatch.chdir(tmp_path)
+    assert run_main("dqn_baseline", "--resume", str(tmp_path)) == 2
+    assert our_lines(capsys.readouterr().err) == [f"dqn_baseline.py: error: --resume: the checkpoint in {tmp_path} holds no train_steps: "
                               "go on with the code that wrote it"]
-
-
-# the whole-run training step (Adam's own count, which the checkpoint carries) of every target net sync,
-# appended to $RL_TEST_SYNCS; with $RL_TEST_SIGTERM_AT, a SIGTERM to itself after that training step
-SYNCS_HOOK = """
-import os, signal, torch
-_step, _load, _last = torch.optim.Adam.step, torch.nn.Module.load_state_dict, [None]
-def counting_step(self, *args, **kwargs):
-    result = _step(self, *args, **kwargs)
-    _last[0] = int(self.state[self.param_groups[0]["params"][0]]["step"])
-    if str(_last[0]) == os.environ.get("RL_TEST_SIGTERM_AT"):
-        os.kill(os.getpid(), signal.SIGTERM)
-    return result
-def recording_load(self, *args, **kwargs):
-    if _last[0] is not None:   # a sync, not the restore before the first step
-        with open(os.environ["RL_TEST_SYNCS"], "a") as f:
-            f.write(f"{_last[0]}\\n")
-    return _load(self, *args, **kwargs)
-torch.optim.Adam.step, torch.nn.Module.load_state_dict = counting_step, recording_load
-"""
-
-
-@pytest.mark.slow
-def test_a_resumed_dqn_run_syncs_its_target_net_at_whole_run_steps(tmp_path):
-    # CartPole: training from frame 1000, a sync every 200 steps; a SIGTERM at step 300, between two syncs
-    env = dict(hooked_env(tmp_path, SYNCS_HOOK), RL_TEST_SYNCS=str(tmp_path / "syncs"))
-    code, _, err = run_script("dqn_baseline", "--env", "cartpole", cwd=tmp_path, env=dict(env, RL_TEST_SIGTERM_AT="300"))
-    assert code == 143, err
-    (folder,) = (tmp_path / "runs").iterdir()
-    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["train_steps"] == 300
-    code, _, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "1500", cwd=tmp_path, env=env)
-    assert code == 0, err
-    assert (tmp_path / "syncs").read_text().split() == ["200", "400"]
 
 
 class Made(Exception):

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import uuid
 
 import pytest
@@ -666,9 +667,13 @@ torch.cpu.get_capabilities = lambda: types.MappingProxyType(
 
 
 @pytest.mark.parametrize("native", slow_but(False, [True, False]))
-def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(native, tmp_path):
-    env = dict(hooked_env(tmp_path, CPU_HOOK), RL_TEST_BF16="1" if native else "0")
-    code, out, err = run("dqn_baseline", "--env", "cartpole", "--bf16", "--max-frames", "300", cwd=tmp_path, env=env)
+def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(native, tmp_path, run_main, monkeypatch, capsys):
+    real = torch.cpu.get_capabilities()   # as a CPU with or without bf16 instructions reports them
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: types.MappingProxyType(
+        {**real, "avx512_bf16": native, "amx_bf16": native, "bf16": native}))
+    monkeypatch.chdir(tmp_path)
+    code = run_main("dqn_baseline", "--env", "cartpole", "--bf16", "--max-frames", "300")
+    out, err = capsys.readouterr()
     assert code == 0, err
     assert summary(out)["frames"] >= 300
     assert our_lines(err) == ([] if native else

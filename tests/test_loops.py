@@ -1,0 +1,200 @@
+"""What each script's loop does with its own counters, in seconds, in this process where it can: the
+target net syncs at whole-run training steps across a resume, dqn_compile's epsilon falls with the
+frames, a resumed A3C run counts its frames on from the checkpoint's, a restored optimizer holds no
+tensor of the checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
+import errno
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import common  # noqa: E402
+import dqn_compile  # noqa: E402
+import runs  # noqa: E402
+from conftest import our_lines  # noqa: E402
+
+DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
+ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}   # frames a training step
+CARTPOLE = types.SimpleNamespace(**dqn_compile.CARTPOLE)   # every DQN script's: training from frame
+# 1,000, a target sync every 200 training steps (tests/test_script_parts.py checks they are the same)
+
+
+@pytest.fixture
+def in_tmp(monkeypatch, tmp_path):
+    """Runs made here go to tmp_path/runs; dqn_compile runs eagerly (its compiler takes 20 s on 2
+    cores; what these tests check is its loop, which the compiler does not change). The threads that
+    a script's main process gives torch are given back."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def training(monkeypatch):
+    """What the training steps of this process did: .step, Adam's whole-run step count (restored with
+    it) after the latest step; .syncs, that count at each target net sync."""
+    record = types.SimpleNamespace(step=None, syncs=[])
+    adam_step, load = torch.optim.Adam.step, nn.Module.load_state_dict
+
+    def counting_step(self, *args, **kwargs):
+        result = adam_step(self, *args, **kwargs)
+        record.step = int(self.state[self.param_groups[0]["params"][0]]["step"])
+        return result
+
+    def recording_load(self, *args, **kwargs):
+        if record.step is not None:   # a sync, not a restore before this segment's first step
+            record.syncs.append(record.step)
+        return load(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.Adam, "step", counting_step)
+    monkeypatch.setattr(nn.Module, "load_state_dict", recording_load)
+    return record
+
+
+def the_run(where):
+    (folder,) = (where / "runs").iterdir()
+    return folder
+
+
+# ---------------------------------------------------------------- the target net
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_the_target_net_syncs_at_whole_run_training_steps_also_across_a_resume(script, in_tmp, training,
+                                                                               run_main):
+    def frames(steps):   # about that many training steps (an env's reset step brings no frame)
+        return str(CARTPOLE.replay_start + ENVS[script] * steps)
+    assert run_main(script, "--env", "cartpole", "--max-frames", frames(250)) == 0
+    stopped_at, training.step = training.step, None
+    assert 200 < stopped_at < 400   # between two syncs
+    assert run_main(script, "--resume", str(the_run(in_tmp)), "--max-frames", frames(450)) == 0
+    assert training.step >= 400
+    assert training.syncs == list(range(CARTPOLE.target_sync, training.step + 1, CARTPOLE.target_sync))
+
+
+# ---------------------------------------------------------------- dqn_compile's epsilon
+def test_dqn_compiles_epsilon_follows_epsilon_by_frame_as_the_frames_grow(in_tmp, run_main, monkeypatch):
+    seen, sources = [], []   # (frames played, epsilon) at each call of the acting function
+    make_source = common.ExperienceSourceFirstLast.__init__
+
+    def recording_init(self, *args, **kwargs):
+        make_source(self, *args, **kwargs)
+        sources.append(self)
+
+    def eager(fn, **kwargs):
+        if fn.__name__ != "select_actions":
+            return fn
+
+        def act(net, states, epsilon):
+            if sources:   # not the call that compiles it, before the loop
+                seen.append((sources[0].frames, float(epsilon)))
+            return fn(net, states, epsilon)
+        return act
+    monkeypatch.setattr(common.ExperienceSourceFirstLast, "__init__", recording_init)
+    monkeypatch.setattr(torch, "compile", eager)
+    assert run_main("dqn_compile", "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0") == 0
+    assert seen[0] == (0, CARTPOLE.epsilon_start) and seen[-1][0] >= 1990
+    assert [epsilon for _, epsilon in seen] == pytest.approx(
+        [dqn_compile.epsilon_by_frame(CARTPOLE, frames) for frames, _ in seen])
+
+
+# ---------------------------------------------------------------- A3C's frames across a resume
+def episode_frames(folder):
+    """The frame count of every episode the run logged, in the order its event files were written."""
+    steps = []
+    for name in sorted(os.listdir(folder)):   # events.out.tfevents.<time>...: one a segment
+        if name.startswith("events."):
+            steps += [event.step for event in EventFileLoader(str(folder / name)).Load()
+                      if any(value.tag == "episodes/reward" for value in event.summary.value)]
+    return steps
+
+
+def a3c_dist(*args, cwd):
+    """a3c_dist.py as the one rank that torchrun would start, without torchrun's agent."""
+    port = subprocess.check_output([sys.executable, "-c", "import socket; s = socket.socket(); "
+                                    "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"], text=True).strip()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.returncode
+
+
+@pytest.mark.parametrize("script", ["a3c_data", "a3c_grad", "a3c_dist"])
+def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_tmp, run_main):
+    def run(*args):
+        args = ["--envs", "2", *args] + (["--processes", "1"] if script != "a3c_dist" and "--resume" not in args else [])
+        return a3c_dist(*args, cwd=in_tmp) if script == "a3c_dist" else run_main(script, *args)
+    assert run("--env", "cartpole", "--max-frames", "500") == 0
+    folder = the_run(in_tmp)
+    stopped_at = torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"]
+    assert run("--resume", str(folder), "--max-frames", "1000") == 0
+    frames = episode_frames(folder)
+    assert frames == sorted(frames) and frames[0] < stopped_at < frames[-1]
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] >= 1000
+
+
+# ---------------------------------------------------------------- the checkpoint
+@pytest.fixture
+def stopped_run(in_tmp, run_main):
+    """A dqn_baseline run on CartPole stopped past its first training steps: Adam's state is in its checkpoint."""
+    assert run_main("dqn_baseline", "--env", "cartpole", "--max-frames", "1100") == 0
+    return the_run(in_tmp)
+
+
+def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_from(stopped_run, run_main,
+                                                                                monkeypatch):
+    loaded, optimizers = [], []
+    load, load_state = torch.load, torch.optim.Adam.load_state_dict
+
+    def recording_load(*args, **kwargs):
+        loaded.append(load(*args, **kwargs))
+        return loaded[-1]
+
+    def recording_load_state(self, state):
+        optimizers.append(self)
+        return load_state(self, state)
+    monkeypatch.setattr(torch, "load", recording_load)
+    monkeypatch.setattr(torch.optim.Adam, "load_state_dict", recording_load_state)
+    assert run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "1150") == 0
+    (optimizer,) = optimizers
+    file_storages = {t.untyped_storage().data_ptr() for t in tensors(loaded)}   # every load of the file
+    state = tensors(optimizer.state_dict()["state"])
+    assert state and not any(t.untyped_storage().data_ptr() in file_storages for t in state)
+
+
+def tensors(obj):
+    """Every tensor in obj, a tensor or dicts, lists and tuples of them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for value in values for t in tensors(value)]
+
+
+def test_a_periodic_checkpoint_that_cannot_be_written_costs_a_line_and_is_tried_again_at_the_next_interval(
+        stopped_run, run_main, monkeypatch, capsys):
+    before, tries = (stopped_run / runs.CHECKPOINT).read_bytes(), []
+    save = torch.save
+
+    def full_disk_save(obj, f, *args, **kwargs):   # a checkpoint's write fails as on a full disk
+        if os.path.basename(str(getattr(f, "name", f))).startswith(runs.CHECKPOINT):
+            tries.append(obj["tracker"]["frames"])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    capsys.readouterr()
+    code = run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "1600",
+                    "--checkpoint-minutes", "0.0005")
+    out, err = capsys.readouterr()
+    lines = our_lines(err)
+    assert len(tries) >= 3 and len(lines) == len(tries)   # the periodic ones and the stop's, a line each
+    assert all("checkpoint.pt" in line and os.strerror(errno.ENOSPC) in line for line in lines)
+    assert tries == sorted(tries) and tries[-1] >= 1600   # the run went on, to its frame budget
+    assert code == 2 and (stopped_run / runs.CHECKPOINT).read_bytes() == before   # the last one stays
