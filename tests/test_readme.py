@@ -1,9 +1,10 @@
-"""What the README says of the code, checked against it."""
+"""What the README and the docs say of the code and of the files they point to, checked against them."""
 import os
 import re
 import subprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINK = re.compile(r"\]\(([^)\s]+)\)")   # a markdown link's target
 ROW = re.compile(r"^\| `(\w+)\.py` \|.*\| `(\w+)\.py` \| \+(\d+) -(\d+) \|", re.MULTILINE)
 
 
@@ -22,3 +23,32 @@ def test_the_readme_stays_short_with_its_results_table_in_its_first_60_lines():
         text = f.read()
     assert len(text.split()) <= 1300           # about 10 minutes of reading
     assert "| script | 2-core CPU, fp32 |" in "\n".join(text.splitlines()[:60])
+
+
+def anchors(path):
+    """The anchors GitHub gives the headings of a markdown file: the text lowercased, what is not a
+    letter, digit, space, hyphen or underscore dropped, spaces made hyphens, a repeat numbered."""
+    with open(path) as f:
+        headings = [line.lstrip("#").strip() for line in f if re.match(r"#{1,6} ", line)]
+    seen, result = {}, set()
+    for heading in headings:
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        result.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return result
+
+
+def test_every_link_and_run_folder_in_the_readme_and_docs_is_there():
+    documents = ["README.md"] + [os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs"))
+                                 if name.endswith(".md")]
+    for document in documents:
+        with open(os.path.join(REPO, document)) as f:
+            text = f.read()
+        here = os.path.dirname(document)
+        targets = [t for t in LINK.findall(text) if not t.startswith(("http://", "https://"))]
+        targets += re.findall(r"docs/runs/[\w.-]+", text) if document == "README.md" else []   # play.py's folders
+        for target in targets:
+            path, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(here, path)) if path else document
+            assert os.path.exists(os.path.join(REPO, path)), f"{document}: {target}"
+            assert not anchor or anchor in anchors(os.path.join(REPO, path)), f"{document}: {target}"
