@@ -1,7 +1,10 @@
 """What the README and the docs say of the code and of the files they point to, checked against them."""
+import glob
 import os
 import re
 import subprocess
+
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"\]\(([^)\s]+)\)")   # a markdown link's target
@@ -52,3 +55,16 @@ def test_every_link_and_run_folder_in_the_readme_and_docs_is_there():
             path = os.path.normpath(os.path.join(here, path)) if path else document
             assert os.path.exists(os.path.join(REPO, path)), f"{document}: {target}"
             assert not anchor or anchor in anchors(os.path.join(REPO, path)), f"{document}: {target}"
+
+
+def test_the_committed_curves_wall_times_go_on_with_their_frames():
+    # TensorBoard's wall-clock axis: each tag's events at later frames are no earlier, and a run's
+    # curve spans the minutes it ran, not the moment its events were cut down
+    for path in glob.glob(os.path.join(REPO, "docs", "runs", "*", "events.*")):
+        by_tag = {}
+        for event in EventFileLoader(path).Load():
+            for value in event.summary.value:
+                by_tag.setdefault(value.tag, []).append((event.step, event.wall_time))
+        for tag, events in by_tag.items():
+            times = [wall_time for _, wall_time in sorted(events)]
+            assert times == sorted(times) and times[-1] - times[0] > 60, f"{path}: {tag}"
