@@ -127,7 +127,7 @@ def a3c_dist(*args, cwd):
     return proc.returncode
 
 
-@pytest.mark.parametrize("script", ["a3c_data", "a3c_grad", "a3c_dist"])
+@pytest.mark.parametrize("script", ["a3c_data", "a3c_grad", pytest.param("a3c_dist", marks=pytest.mark.slow)])
 def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_tmp, run_main):
     def run(*args):
         args = ["--envs", "2", *args] + (["--processes", "1"] if script != "a3c_dist" and "--resume" not in args else [])

@@ -760,7 +760,7 @@ def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weigh
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir()
     env = dict(hooked_env(tmp_path, WEIGHTS_HOOK, tagged_env(tag)), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
-    code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "5000",
+    code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "2000",
                        cwd=tmp_path, env=env)
     assert code == 0, err
     assert_steps_average_one_gradient_per_worker_at_their_weights(
@@ -1114,7 +1114,7 @@ def dist_weights(tmp_path, *args, ranks=3):
 
 @needs_proc
 def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_they_took_their_gradients_at(tmp_path):
-    digests = dist_weights(tmp_path, "--max-frames", "5000")
+    digests = dist_weights(tmp_path, "--max-frames", "2000")
     assert sorted(digests) == ["0", "1", "2"]
     assert digests["0"] == digests["1"] == digests["2"]          # every rank, at every moment
     # each rank writes a digest as it takes a gradient, then one before the optimizer step: the step
