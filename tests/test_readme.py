@@ -42,8 +42,8 @@ def anchors(path):
 
 
 def test_every_link_and_run_folder_in_the_readme_and_docs_is_there():
-    documents = ["README.md"] + [os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs"))
-                                 if name.endswith(".md")]
+    documents = ["README.md"] + [os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "docs", "*.md"))
+                                 + glob.glob(os.path.join(REPO, "docs", "notes", "*.md"))]
     for document in documents:
         with open(os.path.join(REPO, document)) as f:
             text = f.read()
