@@ -4,6 +4,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import sys
 import types
 
@@ -57,6 +58,13 @@ def our_lines(err):
     a library prints around them; a traceback fails the test."""
     assert "Traceback" not in err, err
     return [line for line in err.splitlines() if re.match(r"\w+\.py: ", line)]
+
+
+def free_port():
+    """A TCP port free on the loopback now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

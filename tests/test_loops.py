@@ -4,7 +4,6 @@ frames, a resumed A3C run counts its frames on from the checkpoint's, a restored
 tensor of the checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
 import errno
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -19,7 +18,7 @@ sys.path.insert(0, REPO)
 import common  # noqa: E402
 import dqn_compile  # noqa: E402
 import runs  # noqa: E402
-from conftest import our_lines  # noqa: E402
+from conftest import free_port, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}   # frames a training step
@@ -107,7 +106,8 @@ def test_dqn_compiles_epsilon_follows_epsilon_by_frame_as_the_frames_grow(in_tmp
 
 # ---------------------------------------------------------------- A3C's frames across a resume
 def episode_frames(folder):
-    """The frame count of every episode the run logged, in the order its event files were written."""
+    """The frame count of every episode the run logged, in the order its event files were written: read
+    raw, since TensorBoard's reader would drop the points of a curve that doubles back."""
     steps = []
     for name in sorted(os.listdir(folder)):   # events.out.tfevents.<time>...: one a segment
         if name.startswith("events."):
@@ -118,10 +118,7 @@ def episode_frames(folder):
 
 def a3c_dist(*args, cwd):
     """a3c_dist.py as the one rank that torchrun would start, without torchrun's agent."""
-    with socket.socket() as probe:   # a port free on the loopback now
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return subprocess.run([sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd, env=env,
                           timeout=120).returncode

@@ -9,7 +9,6 @@ import re
 import runpy
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import common  # noqa: E402
 import dqn_fast  # noqa: E402
 import processes  # noqa: E402
 import runs  # noqa: E402
-from conftest import hooked_env, our_lines  # noqa: E402
+from conftest import free_port, hooked_env, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
@@ -1192,13 +1191,6 @@ def test_a3c_dist_crash_in_a_worker_stops_every_rank_and_names_it(tmp_path):
     assert "RuntimeError: injected crash" in err and "local_rank: 1" in err   # torchrun names the rank
     assert "frames" in summary(out)                                         # rank 0's summary
     assert_none_left(tag)
-
-
-def free_port():
-    """A TCP port free on the loopback now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_ranks(tmp_path, *args, env, ranks=3):
