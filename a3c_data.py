@@ -140,6 +140,7 @@ if __name__ == "__main__":
         for states, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
             tracker.update(frames, episodes)
+            run.save_checkpoint_if_due()
             if run.should_stop():
                 break
             # the main process only trains: it stacks micro-batches from all workers into one batch

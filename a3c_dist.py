@@ -2,6 +2,7 @@
 """A3C on Pong, gradient parallel across machines, in synchronous steps: torchrun starts the ranks,
 every rank plays and computes a gradient, one all_reduce sums them, and every rank takes the same
 optimizer step. How to start it on one machine or several, and what crosses: docs/HOW.md."""
+import argparse
 import datetime
 import os
 
@@ -143,6 +144,30 @@ def exchange(grads, samples, stats, frames, episodes, stop):
     return grads, reports
 
 
+def rank0_options(parser, args, hyperparams):
+    """Rank 0's options and its env's hyperparameters, on every rank: only rank 0 reads a resumed run's
+    checkpoint (other machines cannot see its folder), which must have as many ranks."""
+    options = [vars(args)]
+    dist.broadcast_object_list(options, src=0)
+    args, world_size = argparse.Namespace(**options[0]), dist.get_world_size()
+    if getattr(args, "world_size", world_size) != world_size:
+        parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
+    args.world_size = world_size
+    return args, argparse.Namespace(**{name: getattr(args, name, value)   # an option of its name gives its value
+                                       for name, value in hyperparams[args.env].items()})
+
+
+class SilentTracker:
+    """RewardTracker's stand-in on a rank other than 0, which records nothing."""
+    frames = seconds = 0   # what Run reads of it
+
+    def update(self, frames, episodes):
+        pass
+
+    def record_step(self, **scalars):
+        pass
+
+
 def share_weights(net, optimizer):
     """Rank 0's weights and Adam state (a resumed run's), on every rank; as CPU tensors, as gloo carries them."""
     weights = torch.nn.utils.parameters_to_vector(net.parameters()).cpu()
@@ -169,13 +194,13 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # the network on one thread; the envs step on the rank's share of the cores
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank = dist.get_rank()
-    args, params = runs.rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
+    args, params = rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
     env = common.make_fast_env(args.env, params.envs,   # the ranks on this machine share its cores
                                threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])))
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5   # by the batch's square root
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
-    tracker = runs.RewardTracker(args, net, env) if rank == 0 else runs.SilentTracker()   # rank 0 records the run
+    tracker = runs.RewardTracker(args, net, env) if rank == 0 else SilentTracker()   # rank 0 records the run
     frames = 0   # played in all, over the whole run
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
@@ -199,6 +224,7 @@ if __name__ == "__main__":
                 break
             frames += sum(frames_list)
             tracker.update(frames, sum(finished, []))
+            run.save_checkpoint_if_due()
             stop = run.should_stop()
             mean_grads(net, grads, samples_list, device)
             stats = mean_stats(stats_list, samples_list)

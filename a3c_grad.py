@@ -173,6 +173,7 @@ if __name__ == "__main__":
         for worker_id, samples, stats, new_frames, episodes in messages:
             frames += new_frames
             tracker.update(frames, episodes)
+            run.save_checkpoint_if_due()
             if run.should_stop():
                 break
             # the main process only applies gradients: it averages one from each worker into one step

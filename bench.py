@@ -517,7 +517,7 @@ def main():
     args.command = " ".join(["python bench.py"] + sys.argv[1:])
     args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if args.cuda else "")
     if args.bf16:
-        args.machine += f"; bf16 {'native' if runs.bf16_native(device) else 'EMULATED (slower than fp32)'}"
+        args.machine += f"; bf16 {'native' if runs.bf16_native(device.type == 'cuda') else 'EMULATED (slower than fp32)'}"
     ceilings = measure_ceilings(args, device)
     print_machine_and_ceilings(args, ceilings)
     if args.bf16:

@@ -4,6 +4,7 @@ step compiled by torch.compile (on the GPU replayed as CUDA graphs), and on the 
 playing while the GPU trains. What crosses between host and device, and when: docs/HOW.md."""
 import copy
 import functools
+import logging
 import sys
 
 import numpy as np
@@ -201,6 +202,19 @@ def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
     return functools.partial(compiled, buffer, net, tgt_net, optimizer, batch_size, gamma)
 
 
+def compile_or_exit(parser, fn, mode, probe_args):
+    """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile (no C++
+    compiler, a Python this torch cannot compile for) the run stops now, with one line naming dqn_fast.py."""
+    torch._logging.set_logs(dynamo=logging.ERROR)   # the compiler's notices of its own choices stay unprinted
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    try:
+        compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
+        compiled(*probe_args)
+    except Exception as e:  # whatever the compiler raised: its first line says why
+        parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
+    return compiled
+
+
 def set_capturable(optimizer, device):
     """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only on an
     empty state: a state restored by --resume keeps those of the device it was saved on."""
@@ -227,7 +241,7 @@ if __name__ == "__main__":
     epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
     torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
     states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
-    act = runs.compile_or_exit(parser, select_actions, mode, [net, states, epsilon])   # compiled by a first call
+    act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])   # compiled by a first call
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
     # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
     step = compile_train_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
@@ -253,6 +267,7 @@ if __name__ == "__main__":
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
             tracker.update(exp_source.frames, exp_source.pop_episodes())
+            run.save_checkpoint_if_due()
             if run.should_stop():
                 break
             if len(buffer) < params.replay_start:

@@ -144,6 +144,7 @@ if __name__ == "__main__":
             for exp in exps:
                 buffer.append(exp)
             tracker.update(frames, episodes)
+            run.save_checkpoint_if_due()
             if run.should_stop():
                 break
             if len(buffer) < params.replay_start:

@@ -105,7 +105,7 @@ def save_gif(frames, file, ms):
 
 
 if __name__ == "__main__":
-    parser = runs.ArgumentParser(__doc__)
+    parser = runs.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
     parser.add_argument("--episodes", type=runs.positive_int, default=10, help="episodes to play (default: 10)")
     watch = parser.add_mutually_exclusive_group()

@@ -53,7 +53,7 @@ def styles(count):
 
 
 if __name__ == "__main__":
-    parser = runs.ArgumentParser(__doc__)
+    parser = runs.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
     parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
                         help="where to write the plot (default: reward.png)")

@@ -3,6 +3,8 @@ memory and its check, and the weights the main process publishes for its childre
 import copy
 import math
 import multiprocessing.connection
+import os
+import shutil
 import signal
 import sys
 import time
@@ -15,24 +17,17 @@ import runs
 
 # ---------------------------------------------------------------- child processes
 class ChildProcesses:
-    """Children started with spawn, each running target(*args, send=send) on a pipe of its own; send
-    returns once this process has taken the message. Iterating yields the messages and raises
-    runs.ProcessLost once a child is dead; leaving the with-block ends them all (docs/HOW.md)."""
+    """Children ({name: args}) started with spawn, each running target(*args, send=send) on a pipe of its own, send
+    waiting until this process takes the message; iterating yields them and raises runs.ProcessLost at a death."""
 
     def __init__(self, target, children):
-        """children: {name: args} for each child process."""
         ctx = torch.multiprocessing.get_context("spawn")   # CUDA needs spawn; macOS and Windows use it
-        self.procs, self.pipes, self.child_ends = [], [], []
-        for name, args in children.items():
-            pipe, child_end = ctx.Pipe()
-            self.procs.append(ctx.Process(target=_child_main, args=(target, args, child_end), name=name,
-                                          daemon=True))   # ended at exit even if a later start fails
-            self.pipes.append(pipe)
-            self.child_ends.append(child_end)
+        self.pipes, self.child_ends = map(list, zip(*(ctx.Pipe() for _ in children)))
+        self.procs = [ctx.Process(target=_child_main, args=(target, args, end), name=name, daemon=True)
+                      for (name, args), end in zip(children.items(), self.child_ends)]   # daemons: ended at our exit
 
     def __enter__(self):
-        """Start the children with Ctrl-C ignored, which they inherit: a terminal sends it to the whole
-        process group, and the run stops through this process alone (docs/HOW.md)."""
+        """Start the children with Ctrl-C ignored, which they inherit: the run stops through this process alone."""
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             for proc, child_end in zip(self.procs, self.child_ends):
@@ -58,14 +53,12 @@ class ChildProcesses:
                 yield message
 
     def __exit__(self, *exc):
-        """Terminate the children and wait for them; kill those that do not end."""
         for proc in self.procs:
             proc.terminate()
         for proc in self.procs:
             proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.kill()   # one that did not end; nothing to one that did
+            proc.join()
         for pipe in self.pipes:
             pipe.close()
 
@@ -73,9 +66,8 @@ class ChildProcesses:
 def process_lost(proc):
     """The error that names a dead child and its exit code (and signal)."""
     proc.join(timeout=5)
-    code = proc.exitcode
-    signame = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
-    return runs.ProcessLost(f"{proc.name} exited with code {code}{signame}")
+    signame = f" ({signal.Signals(-proc.exitcode).name})" if (proc.exitcode or 0) < 0 else ""
+    return runs.ProcessLost(f"{proc.name} exited with code {proc.exitcode}{signame}")
 
 
 def _child_main(target, args, pipe):
@@ -94,11 +86,12 @@ def _child_main(target, args, pipe):
 
 # ---------------------------------------------------------------- shared memory
 def share_memory(parser, *shared, page_locked=False):
-    """Move each tensor, network or SharedWeights into shared memory before any child starts (with
-    page_locked, page-lock this process's mapping too). Too little room (Docker gives /dev/shm 64 MiB),
-    counted first on Linux or as torch fails anywhere, stops the run with one line and exit code 2."""
-    tensors = [tensor for item in shared for tensor in _tensors(item)]
-    needed, free = sum(tensor.nbytes for tensor in tensors), runs.free_bytes("/dev/shm")   # None: macOS, Windows
+    """Move each tensor, network or SharedWeights into shared memory (page-locked, if asked) before any child
+    starts; too little room (Docker gives /dev/shm 64 MiB) stops the run with one line and exit code 2."""
+    tensors = [tensor for item in shared for tensor in ([*item.parameters(), *item.buffers()] if isinstance(
+        item, torch.nn.Module) else [getattr(item, "flat", item)])]   # a network's, SharedWeights' flat one, a tensor
+    needed = sum(tensor.nbytes for tensor in tensors)
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None   # none on macOS, Windows
     if free is not None and needed > free:
         parser.error(shm_short(needed, free))
     try:
@@ -111,17 +104,7 @@ def share_memory(parser, *shared, page_locked=False):
             page_lock(tensor)
 
 
-def _tensors(item):
-    """The tensors that sharing a tensor, a network or SharedWeights moves."""
-    if isinstance(item, torch.Tensor):
-        return [item]
-    if isinstance(item, torch.nn.Module):
-        return [*item.parameters(), *item.buffers()]
-    return [item.flat]
-
-
 def shm_short(needed, free, error=None):
-    """The one line for a run that needs `needed` bytes of shared memory and cannot have them."""
     size = 2 ** math.ceil(math.log2(2 * needed / 2 ** 20))   # MiB: twice the need, a power of 2
     have = f"/dev/shm has {free / 1e6:.1f} MB free" if free is not None else "the system could not give it"
     why = f" ({str(error).strip().splitlines()[0]})" if error is not None else ""
@@ -130,8 +113,8 @@ def shm_short(needed, free, error=None):
 
 
 def page_lock(tensor):
-    """Page-lock this process's own mapping of a shared CPU tensor, on Linux, until the tensor is freed: GPU
-    copies skip the driver's staging buffer; a refusal raises now (why each process, and only Linux: docs/HOW.md)."""
+    """Page-lock this process's mapping of a shared CPU tensor on Linux until it is freed, so GPU copies skip the
+    driver's staging buffer; a refusal raises now."""
     if sys.platform != "linux" or tensor.is_pinned():
         return
     cudart = torch.cuda.cudart()
@@ -141,9 +124,8 @@ def page_lock(tensor):
 
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
-    """The main process's weights in one flat shared CPU tensor, for children that act on a GPU (no
-    CUDA tensor crosses a process boundary: Windows lacks CUDA IPC). A version, as in a seqlock, keeps
-    a child from installing a copy that a publish overlapped (docs/HOW.md)."""
+    """The main process's weights in one flat shared CPU tensor, for children that act on a GPU (no CUDA tensor
+    crosses processes); a version, as in a seqlock, keeps a child from a copy that a publish overlapped."""
 
     def __init__(self, net):
         self.net = copy.deepcopy(net).to("meta")   # the children's template: the architecture without its values
@@ -153,8 +135,7 @@ class SharedWeights:
 
     def publish(self, net):
         """Copy the main process's weights into shared memory (waiting for the copy off the GPU)."""
-        with torch.no_grad():
-            flat = torch.nn.utils.parameters_to_vector(net.parameters())
+        flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
         self.version.value += 1   # odd: a publish is under way
         self.flat.copy_(flat)
         self.version.value += 1   # even: the weights are whole
@@ -170,9 +151,8 @@ class SharedWeights:
         return net
 
     def refresh(self, net):
-        """Install the newest published weights in net, a child's copy, if newer; True once it holds them.
-        A copy that a publish overlapped is taken again for up to a second; after that (a main process
-        that died mid-publish leaves the version odd) net keeps the weights it has."""
+        """Install the newest published weights in net, a child's copy; True once it holds them. A torn copy is
+        taken again for up to a second (a main process that died mid-publish leaves the version odd)."""
         for _ in range(1000):
             version = self.version.value
             if version == self.installed:
@@ -180,14 +160,11 @@ class SharedWeights:
             if version % 2 == 0:                      # no publish under way
                 self.staging.copy_(self.flat)         # waits for the copy to the GPU
                 if self.version.value == version:     # and none began meanwhile: the copy is whole
-                    self._install(net)
+                    with torch.no_grad():
+                        values = self.staging.split([param.numel() for param in net.parameters()])
+                        for param, value in zip(net.parameters(), values):
+                            param.copy_(value.view_as(param))
                     self.installed = version
                     return True
             time.sleep(0.001)
         return False
-
-    @torch.no_grad()
-    def _install(self, net):
-        """Copy the staging buffer into net's parameters."""
-        for param, value in zip(net.parameters(), self.staging.split([p.numel() for p in net.parameters()])):
-            param.copy_(value.view_as(param))

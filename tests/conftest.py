@@ -74,6 +74,8 @@ def run_main(monkeypatch):
     def run(script, *args):
         path = os.path.join(REPO, f"{script}.py")
         monkeypatch.setattr(sys, "argv", [path, *args])
+        if "runs" in sys.modules:   # a fresh process starts with no stop asked
+            monkeypatch.setattr(sys.modules["runs"], "stop_signal", None)
         try:
             runpy.run_path(path, run_name="__main__")
         except SystemExit as exit_info:

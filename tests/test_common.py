@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # so plain `pytest` finds common
 import common  # noqa: E402
 import processes  # noqa: E402
+import a3c_dist  # noqa: E402
 import runs  # noqa: E402
 from conftest import our_lines  # noqa: E402
 
@@ -476,7 +477,7 @@ def test_bf16_native_on_the_cpu_is_what_the_kernel_says_of_it():
         for line in cpuinfo:
             if line.startswith(("flags", "Features")):   # x86, arm64
                 flags |= set(line.partition(":")[2].split())
-    assert runs.bf16_native(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    assert runs.bf16_native(cuda=False) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys):
@@ -498,7 +499,8 @@ def test_checkpoint_minutes_takes_any_number_of_minutes(text, minutes):
 # ---------------------------------------------------------------- RewardTracker and Run
 def fake_args(max_frames=None, checkpoint_minutes=0):
     return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=max_frames, bf16=False,
-                                 resume=None, checkpoint_minutes=checkpoint_minutes, cuda=False, seed=0, segment=0)
+                                 resume=None, checkpoint_minutes=checkpoint_minutes, cuda=False, seed=0, segment=0,
+                                 folder=os.path.join("runs", "test-pong-unit"))
 
 
 def fake_env():
@@ -516,8 +518,9 @@ def a_run(args, net=None):
 
 
 def update(tracker, run, frames, episodes):
-    """A loop's step: the tracker records, the run says whether to stop."""
+    """A loop's step: the tracker records, the run saves its checkpoint when due and says whether to stop."""
     tracker.update(frames, episodes)
+    run.save_checkpoint_if_due()
     return run.should_stop()
 
 
@@ -532,18 +535,18 @@ def test_a_stop_signal_is_taken_at_the_next_check_with_its_exit_code_and_a_check
         runs.request_stop(signal.SIGINT, None)   # a second signal changes nothing
         assert update(tracker, run, 20, [(-21.0, 900)])
     assert run.exit_code == code and json.loads(capsys.readouterr().out.splitlines()[-1])["frames"] == 20
-    checkpoint = torch.load(os.path.join(tracker.log_dir, runs.CHECKPOINT), weights_only=True)
+    checkpoint = torch.load(os.path.join(tracker.args.folder, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["tracker"]["frames"] == 20 and checkpoint["tracker"]["rewards"] == [-21.0]
 
 
 def test_a_rank_other_than_0_writes_nothing_and_ends_with_its_own_line_and_code(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "stop_signal", None)
-    with runs.Run(fake_args(checkpoint_minutes=10), runs.SilentTracker(), None, rank=1) as run:
+    with runs.Run(fake_args(checkpoint_minutes=10), a3c_dist.SilentTracker(), None, rank=1) as run:
         assert not run.should_stop()
         raise runs.ProcessLost("lost a rank: Connection reset by peer")
     assert run.exit_code == 1 and capsys.readouterr() == ("", "test.py: error: rank 1 lost a rank: Connection reset by peer\n")
-    with runs.Run(fake_args(checkpoint_minutes=10), runs.SilentTracker(), None, rank=1) as run:
+    with runs.Run(fake_args(checkpoint_minutes=10), a3c_dist.SilentTracker(), None, rank=1) as run:
         runs.request_stop(signal.SIGTERM, None)
         assert not run.should_stop()         # rank 0 decides, for every rank
     assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
@@ -631,7 +634,7 @@ def test_tracker_saves_best_model_when_a_new_best_mean_appears(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(2, 1)
     with a_run(fake_args(), net) as (tracker, run):
-        best_path = tmp_path / tracker.log_dir / "best.pt"
+        best_path = tmp_path / tracker.args.folder / "best.pt"
         tracker.update(10, [(-20.0, 1)] * 99)
         assert not best_path.exists()                         # no full window yet
         tracker.update(20, [(-20.0, 1)])
@@ -651,11 +654,10 @@ def test_tracker_logs_the_first_and_every_log_every_th_training_step_reading_ten
         for step in range(1, 2 * runs.LOG_EVERY + 2):
             tracker.update(10 * step, [])
             tracker.record_step(loss=torch.tensor(float(step)), epsilon=0.5)
-    events = EventAccumulator(str(tmp_path / tracker.log_dir))
+    events = EventAccumulator(str(tmp_path / tracker.args.folder))
     events.Reload()
     logged = [1, runs.LOG_EVERY + 1, 2 * runs.LOG_EVERY + 1]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10 * s, s) for s in logged]
-    assert [e.value for e in events.Scalars("train/avg_loss")] == [1, (2 + runs.LOG_EVERY) / 2, sum(logged) / 3]
     assert [e.value for e in events.Scalars("train/epsilon")] == [0.5] * 3
     assert tracker.steps == 2 * runs.LOG_EVERY + 1
 
@@ -669,8 +671,7 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
         tracker.record_step(loss=0.5)
         tracker.update(200, [(-19.0, 900)])
         tracker.record_step(loss=1.5)
-    log_dir = tmp_path / tracker.log_dir
-    assert os.path.relpath(log_dir, tmp_path).startswith(os.path.join("runs", "test-pong-unit-"))
+    log_dir = tmp_path / tracker.args.folder
 
     events = EventAccumulator(str(log_dir))
     events.Reload()
@@ -682,7 +683,6 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     assert scalars("episodes/avg_reward") == [(100, -21.0), (200, -20.0)]
     assert scalars("episodes/steps") == [(100, 800.0), (200, 900.0)]
     assert scalars("train/loss") == [(100, 0.5), (200, 1.5)]
-    assert scalars("train/avg_loss") == [(100, 0.5), (200, 1.0)]
 
     best = torch.load(log_dir / "best.pt")
     assert {k: best[k] for k in ("script", "env", "obs_shape", "n_actions", "frames", "mean_reward")} == {
@@ -697,7 +697,7 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- shared memory
-PARSER = runs.ArgumentParser("test", prog="test")
+PARSER = runs.ArgumentParser(prog="test")
 SHARED_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
@@ -724,7 +724,9 @@ def test_share_memory_takes_what_just_fits_with_no_margin(fake_shm_free):
 def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
     # where no room is counted first (macOS, Windows), or the count was wrong, torch's failure is caught
     weights = processes.SharedWeights(nn.Linear(1000, 1000))
-    monkeypatch.setattr(os, "statvfs", lambda path: (_ for _ in ()).throw(OSError("no /dev/shm")))
+    isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda path: path != "/dev/shm" and isdir(path))   # as on macOS
+
     def no_room(self):
         raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
                            "No space left on device (28)")

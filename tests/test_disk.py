@@ -59,23 +59,22 @@ def made_run(where, frames):
     return folder, summary(proc.stdout)
 
 
-FULL = r"cannot write runs/dqn_fast-cartpole-[\d-]+/{} \(No space left on device\): it needs about [\d.]+ [kMG]B, [\d.]+ kB free"
-ROOM = (r"dqn_fast.py: warning: runs/dqn_fast-cartpole-[\d-]+ has [\d.]+ kB free, and this run's checkpoint takes up to "
-        r"[\d.]+ kB, twice that while a new one replaces it: run from a folder on a larger disk, or give "
-        r"--checkpoint-minutes 0 \(no checkpoints, none at the stop either: no --resume\)")
+FULL = r"cannot write runs/dqn_fast-cartpole-[\d-]+/{} \(No space left on device\)"
 
 
 def test_a_file_where_runs_should_be_stops_the_run_at_once_with_one_line(tmp_path):
     (tmp_path / "runs").write_text("not a folder")
     proc = subprocess.run([*SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert our_lines(proc.stderr) == ["dqn_fast.py: error: runs is a file: the run writes in a folder of that name"]
+    (line,) = our_lines(proc.stderr)
+    assert re.fullmatch(r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ \(Not a directory\)", line)
 
 
 def test_a_read_only_runs_folder_stops_the_run_at_once_with_one_line(tmp_path):
     code, out, err = run_on_small_disk(tmp_path, 64, read_only=True)
     assert code == 2 and out == ""
-    assert our_lines(err) == ["dqn_fast.py: error: cannot write in runs (Read-only file system)"]
+    (line,) = our_lines(err)
+    assert re.fullmatch(r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ \(Read-only file system\)", line)
 
 
 @pytest.mark.slow
@@ -98,14 +97,13 @@ def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_g
     code, out, err = run_on_small_disk(tmp_path, kib, "--resume", f"runs/{folder.name}", "--max-frames", "5000",
                                        "--checkpoint-minutes", "0.005", copy=str(folder))
     lines = our_lines(err)
-    assert code == 2 and len(lines) >= 3, err
-    assert re.fullmatch(ROOM, lines[0]), lines[0]
-    for line in lines[1:-1]:   # a try at each interval of 0.3 s, one line each; the run went on
+    assert code == 2 and len(lines) >= 2, err
+    for line in lines[:-1]:   # a try at each interval of 0.3 s, one line each; the run went on
         assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
                             r"stays, the run goes on and tries again after 0.3 s", line), line
     result = summary(out)
     assert result["frames"] >= 5000 and not result["solved"]
-    assert len(lines) - 2 <= (result["seconds"] - first["seconds"]) / 0.3 + 1
+    assert len(lines) - 1 <= (result["seconds"] - first["seconds"]) / 0.3 + 1
     # the stop's own checkpoint fails too: with no checkpoint to go on from, the run ends with code 2
     assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
                         lines[-1]), lines[-1]
@@ -117,10 +115,9 @@ def test_a_solved_run_whose_last_checkpoint_does_not_fit_is_a_solve(tmp_path):
     code, out, err = run_on_small_disk(tmp_path, 512, "--seed", "1", "--max-frames", "50000")
     assert code == 0, err
     assert summary(out)["solved"]
-    lines = our_lines(err)
-    assert len(lines) == 2 and re.fullmatch(ROOM, lines[0]), err
+    (line,) = our_lines(err)
     assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
-                        lines[1]), lines[1]
+                        line), line
 
 
 @pytest.mark.slow
@@ -133,21 +130,19 @@ def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_
     best, events = our_lines(err)   # best.pt was a new best many times: one line until a write succeeds
     assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("best.pt") + ": best.pt stays as it was, the run "
                         "goes on", best), best
-    assert re.fullmatch(r"dqn_fast.py: warning: cannot write the TensorBoard events in runs/dqn_fast-cartpole-[\d-]+ "
-                        r"\(No space left on device\), [\d.]+ kB free: the run goes on, unlogged", events), events
+    assert re.fullmatch(r"dqn_fast.py: warning: cannot log to TensorBoard in runs/dqn_fast-cartpole-[\d-]+ "
+                        r"\(No space left on device\): going on unlogged", events), events
 
 
 # ---------------------------------------------------------------- a resumed run's mapping
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc/PID/maps")
 def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
-    folder, made = made_run(tmp_path, 1200)
+    folder, _ = made_run(tmp_path, 1200)
     proc = subprocess.Popen([*SCRIPT, "--resume", str(folder), "--max-frames", "1000000000",
                              "--checkpoint-minutes", "0.005"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        first = proc.stdout.readline()
-        assert first == f"going on with {folder} from frame {made['frames']}: segment 2, on the CPU\n"
         while "checkpoint written" not in proc.stdout.readline():   # the checkpoint it resumed from is replaced
             assert proc.poll() is None, proc.stderr.read()
         with open(f"/proc/{proc.pid}/maps") as f:

@@ -255,7 +255,7 @@ def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_re
     epsilon = torch.tensor(1.0, device=device)
     torch._dynamo.mark_static_address(epsilon)
     with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch(fallback_random=True):
-        act = runs.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
+        act = dqn_compile.compile_or_exit(None, dqn_compile.select_actions, mode, [nets[1], states, epsilon])
         compiled_step = dqn_compile.compile_train_step(buffers[1], nets[1], tgt_nets[1], optimizers[1], 96, GAMMA)
         for step in range(1, 9):
             torch.manual_seed(step)
