@@ -68,7 +68,7 @@ def argument_parser(description):
 
 
 def setup(parser, hyperparams):
-    """A run's start, in its steps; returns args and the env's hyperparameters, as attributes."""
+    """A run's start, in its steps; returns args and the env's hyperparameters (an option's where one is named so)."""
     args = options(parser, hyperparams)
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
@@ -76,8 +76,7 @@ def setup(parser, hyperparams):
         warn(args, f"--bf16 is emulated on this {'GPU' if args.cuda else 'CPU'}: it may run slower than fp32")
     for signum in (signal.SIGINT, signal.SIGTERM):   # they ask the run to stop: a kill stops as cleanly as Ctrl-C
         signal.signal(signum, request_stop)
-    return args, argparse.Namespace(**{name: getattr(args, name, value)   # an option of its name gives its value
-                                       for name, value in hyperparams[args.env].items()})
+    return args, argparse.Namespace(**{k: getattr(args, k, v) for k, v in hyperparams[args.env].items()})
 
 
 def options(parser, hyperparams):
@@ -206,6 +205,7 @@ class RewardTracker:
                 self.solved = self.solved or mean >= common.STOP_REWARDS[self.args.env]
             if now - self.last_print[1] >= 1.0 or self.solved:
                 fps = (frames - self.last_print[0]) / (now - self.last_print[1])
+                self.writer.add_scalar("train/avg_fps", fps, frames)
                 print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
                 self.last_print = (frames, now)
             if self.solved:  # the run ends here: later episodes must not move the mean it solved at
