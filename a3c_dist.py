@@ -144,17 +144,16 @@ def exchange(grads, samples, stats, frames, episodes, stop):
     return grads, reports
 
 
-def rank0_options(parser, args, hyperparams):
-    """Rank 0's options and its env's hyperparameters, on every rank: only rank 0 reads a resumed run's
-    checkpoint (other machines cannot see its folder), which must have as many ranks."""
-    options = [vars(args)]
+def rank0_options(parser, args, params):
+    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads a resumed run's checkpoint
+    (other machines cannot see its folder), which must have as many ranks."""
+    options = [vars(args), vars(params)]
     dist.broadcast_object_list(options, src=0)
     args, world_size = argparse.Namespace(**options[0]), dist.get_world_size()
     if getattr(args, "world_size", world_size) != world_size:
         parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
     args.world_size = world_size
-    return args, argparse.Namespace(**{name: getattr(args, name, value)   # an option of its name gives its value
-                                       for name, value in hyperparams[args.env].items()})
+    return args, argparse.Namespace(**options[1])
 
 
 class SilentTracker:
@@ -194,7 +193,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # the network on one thread; the envs step on the rank's share of the cores
     dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
     rank = dist.get_rank()
-    args, params = rank0_options(parser, args, HYPERPARAMS)   # a resumed run's: only rank 0 reads its checkpoint
+    args, params = rank0_options(parser, args, params)   # a resumed run's: only rank 0 reads its checkpoint
     env = common.make_fast_env(args.env, params.envs,   # the ranks on this machine share its cores
                                threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])))
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
