@@ -203,13 +203,13 @@ class RewardTracker:
                 if self.best_mean is None or mean > self.best_mean:
                     self.save_best(mean)
                 self.solved = self.solved or mean >= common.STOP_REWARDS[self.args.env]
-            if now - self.last_print[1] >= 1.0 or self.solved:
-                fps = (frames - self.last_print[0]) / (now - self.last_print[1])
-                self.writer.add_scalar("train/avg_fps", fps, frames)
-                print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
-                self.last_print = (frames, now)
             if self.solved:  # the run ends here: later episodes must not move the mean it solved at
                 break
+        if episodes and (now - self.last_print[1] >= 1.0 or self.solved):   # one line an update at most
+            fps = (frames - self.last_print[0]) / (now - self.last_print[1])
+            self.writer.add_scalar("train/avg_fps", fps, frames)
+            print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
+            self.last_print = (frames, now)
 
     def record_step(self, **scalars):
         """Record a training step just taken; log its scalars at the first step and every LOG_EVERY after it."""

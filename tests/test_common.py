@@ -2,6 +2,7 @@
 import collections
 import contextlib
 import copy
+import itertools
 import json
 import os
 import pathlib
@@ -578,6 +579,19 @@ def test_tracker_solved_is_not_lost_within_one_update(tmp_path, monkeypatch, cap
         assert update(tracker, run, 2, [(18.0, 1), (-21.0, 1)])
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["solved"] and summary["episodes"] == 100 and summary["mean_reward"] == 18.0
+
+
+def test_tracker_prints_one_line_an_update_however_many_episodes_end_in_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ticks = itertools.count(0.0, 2.0)   # 2 s between any two readings of the clock: every update may print
+    monkeypatch.setattr(runs.time, "perf_counter", lambda: next(ticks))
+    with a_run(fake_args()) as (tracker, run):
+        tracker.update(100, [(18.0, 1)] * 98)
+        # two episodes in one update, the second solving: each was once a line, the second's speed over 0 s
+        assert update(tracker, run, 300, [(18.0, 1), (18.0, 1)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if " games, " in line]
+    assert lines == ["100: done 98 games, mean reward 18.000, speed 50.0 f/s",
+                     "300: done 100 games, mean reward 18.000, speed 100.0 f/s"]
 
 
 def test_run_stops_at_max_frames(tmp_path, monkeypatch):
