@@ -545,7 +545,7 @@ def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(scri
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
-    # DQN: the replay warm-up and 20 training steps of 3 envs; A3C: a few steps
+    # DQN: the replay warm-up and 60 frames of training; A3C: a few steps
     frames = dqn_fast.HYPERPARAMS["pong"]["replay_start"] + 60 if script in DQN_SCRIPTS else 600
     options = ["--max-frames", str(frames)] + ([] if script == "dqn_baseline" else ["--envs", "3"])
     options += ["--cuda"] if device == "cuda" else []
@@ -678,7 +678,7 @@ def test_a3c_scales_the_learning_rate_by_the_square_root_of_its_batch(script, tm
 
 
 # ---------------------------------------------------------------- CartPole learning
-# in fp32 each script learns in test_resume: a run stopped by SIGTERM, resumed, solves within the same budget
+# fp32's learning is test_resume's: each script's run, stopped by SIGTERM and resumed, solves within BUDGET
 @slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_learns_cartpole_with_bf16_within_budget(script, tmp_path):
@@ -1278,7 +1278,7 @@ def test_a3c_dist_ranks_that_lose_a_rank_each_end_with_one_line_and_code_1(victi
     assert_none_left(tag)
 
 
-# the collective timeout that a3c_dist.py gives init_process_group, a sixth of it: the test waits 10 s, not 60
+# init_process_group with a sixth of the timeout that a3c_dist.py gives it: the test waits 10 s, not 60
 SHORT_TIMEOUT_HOOK = """
 import torch.distributed as dist
 _init = dist.init_process_group
