@@ -173,7 +173,7 @@ def test_where_py_spy_may_not_trace_one_line_and_exit_code_2(tmp_path, monkeypat
 @slow
 def test_a_profiled_cartpole_run_finds_every_process_and_its_work(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--profile", "--env", "cartpole",
-                           "--frames", "3000", "--seconds", "0.5", "--scripts", "dqn_baseline", "dqn_mp",
+                           "--frames", "2000", "--seconds", "0.5", "--scripts", "dqn_baseline", "dqn_mp",
                            "--png", str(tmp_path / "profile.png")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
