@@ -30,8 +30,8 @@ from conftest import BUDGET, free_port, hooked_env, our_lines  # noqa: E402
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
 MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
-# where a test starts a script to see how its processes start, stop and end, the A3C scripts run 2
-# workers: 2 do all that 4 do there, and start in half the time
+# where a test runs a script for what its processes do, not for what it learns, the A3C scripts run 2
+# workers: 2 take every path that 4 take, and start in half the time
 WORKERS = {"a3c_data": ["--processes", "2"], "a3c_grad": ["--processes", "2"]}
 CHILDREN = {"dqn_baseline": [], "dqn_fast": [], "dqn_mp": ["play process"], "dqn_compile": [],
             "a3c_data": ["worker 0", "worker 1"], "a3c_grad": ["worker 0", "worker 1"]}
