@@ -5,12 +5,15 @@ import re
 import runpy
 import signal
 import socket
+import subprocess
 import sys
 import types
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# two tests run at once (pytest.ini): the scripts they start compute on one thread each, as under torchrun
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took in
 # docs/RESULTS.md's records (DQN 25.8k, A3C 298k)
 BUDGET = {"dqn_baseline": 50_000, "dqn_fast": 50_000, "dqn_mp": 50_000, "dqn_compile": 50_000,
@@ -69,6 +72,25 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def bf16_solve(tmp_path_factory):
+    """A script's CartPole run from seed 1 with --bf16 within its BUDGET, made once a session and shared:
+    test_scripts judges its learning, test_play_plot plays and plots dqn_compile's. Returns (exit code,
+    stdout, stderr, run folder)."""
+    made = {}
+
+    def solve(script):
+        if script not in made:
+            cwd = tmp_path_factory.mktemp(f"{script}-bf16")
+            proc = subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed",
+                                   "1", "--max-frames", str(BUDGET[script]), "--bf16"], cwd=cwd, capture_output=True,
+                                  text=True, timeout=900)
+            folders = list((cwd / "runs").iterdir()) if (cwd / "runs").is_dir() else []
+            made[script] = (proc.returncode, proc.stdout, proc.stderr, folders[0] if len(folders) == 1 else None)
+        return made[script]
+    return solve
 
 
 @pytest.fixture

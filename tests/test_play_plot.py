@@ -23,6 +23,7 @@ import plot  # noqa: E402
 from conftest import our_lines  # noqa: E402
 
 slow = pytest.mark.slow
+pytestmark = pytest.mark.xdist_group("play_plot")   # one worker makes the runs the module's tests share
 
 
 def run(script, *args, cwd):
@@ -61,10 +62,12 @@ def short_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cartpole_run(tmp_path_factory):
-    """DQN trained on CartPole until solved, by the fastest script to solve it (about 22k frames with this
-    seed; the budget is twice the most frames any seed took in docs/RESULTS.md's records)."""
-    return trained_run(tmp_path_factory, "dqn_compile", "--env", "cartpole", "--seed", "1", "--max-frames", "50000")
+def cartpole_run(bf16_solve):
+    """DQN trained on CartPole until solved (dqn_compile with --bf16, about 22k frames from seed 1): the
+    run of test_scripts' learning test, made once a session."""
+    code, out, err, folder = bf16_solve("dqn_compile")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["solved"], err
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +175,7 @@ def test_play_stopped_by_ctrl_c_exits_with_code_130(short_run, tmp_path):
 def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     checkpoint = play.load_checkpoint(str(cartpole_run))
     agent = play.build_agent(checkpoint, torch.device("cpu"))
-    net = dqn_baseline.DQN((4,), 2)
+    net = dqn_baseline.DQN((4,), 2, bf16=True)
     net.load_state_dict(checkpoint["state_dict"])   # dqn_compile's best.pt holds the plain net's names
     states = np.random.default_rng(0).normal(size=(1000, 4)).astype(np.float32)
     with torch.no_grad():

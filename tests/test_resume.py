@@ -452,7 +452,7 @@ def torchrun(ranks, *args, cwd):
 
 @pytest.mark.slow
 def test_a3c_dist_stopped_by_sigterm_resumes_from_rank_0s_checkpoint_with_its_ranks_only(tmp_path):
-    """Also a3c_dist's CartPole learning from seed 1 (test_scripts: seed 3, and seed 2 with --bf16 across agents)."""
+    """Also a3c_dist's CartPole learning in fp32 (test_scripts: with --bf16 across two agents)."""
     proc = torchrun(3, "--env", "cartpole", "--seed", "1", cwd=tmp_path)
     for line in proc.stdout:
         if int(line.split(":")[0]) >= STOP_AT["a3c_dist"]:
