@@ -657,7 +657,6 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     # to what the generators draw, moves these sums: the Pong solves on record count for code that passes this test
     env = dict(hooked_env(tmp_path, FIRST_STEPS_HOOK), RL_TEST_STEPS=str(tmp_path / "steps.json"),
                RL_TEST_AT=json.dumps(FIRST_STEPS_AT[script]))
-    env.pop("OMP_NUM_THREADS", None)   # torch's own thread counts, as the record was made with
     args = ["--env", "cartpole", "--seed", "7", "--max-frames", "2000" if script in DQN_SCRIPTS else "3000",
             "--checkpoint-minutes", "0", *FIRST_STEPS_ARGS.get(script, []), *(["--bf16"] if precision == "bf16" else [])]
     if script == "a3c_dist":
