@@ -65,9 +65,10 @@ def short_run(tmp_path_factory):
 def cartpole_run(bf16_solve):
     """DQN trained on CartPole until solved (dqn_compile with --bf16, about 22k frames from seed 1): the
     run of test_scripts' learning test, made once a session."""
-    code, out, err, folder = bf16_solve("dqn_compile")
+    code, out, err, cwd = bf16_solve("dqn_compile")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["solved"], err
-    return folder
+    (run_dir,) = (cwd / "runs").iterdir()
+    return run_dir
 
 
 @pytest.fixture(scope="module")
