@@ -86,9 +86,10 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     return loss_total, stats
 
 
-def data_func(params, args, weights, worker_id, *, send):
+def data_func(params, args, weights, sample_slots, worker_id, *, send):
     """Worker process: play its envs with the main process's net (its published weights on a GPU),
-    send n-step samples, their reference values bootstrapped with that net, in micro-batches."""
+    send n-step samples, their reference values bootstrapped with that net, in micro-batches: the
+    states in its two slots in turn, the rest in the message."""
     torch.set_num_threads(1)   # the network on one thread; the envs step on the worker's share of the cores
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -97,17 +98,27 @@ def data_func(params, args, weights, worker_id, *, send):
     exp_source = common.ExperienceSourceFirstLast(
         env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * params.envs)
-    micro_batch, frames_sent = [], 0
+    micro_batch, frames_sent, slot = [], 0, 0
     for exps in exp_source:
         micro_batch.extend(exps)
         if len(micro_batch) < params.micro_batch:
             continue
         states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, "cpu", params.gamma)
         micro_batch.clear()
+        sample_slots[worker_id, slot, :len(states)] = states
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
-        send((states.numpy(), actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
+        send((worker_id, slot, actions.numpy(), ref_vals.numpy(), new_frames, exp_source.pop_episodes()))
+        slot = 1 - slot  # this one is filled again only after the next message is taken
         if args.cuda:
             weights.refresh(net)  # once a micro-batch, played and valued with one set of weights
+
+
+def make_sample_slots(params, obs_space):
+    """Two slots a worker for the states of its micro-batches: it fills one while the main process
+    copies from the other. A slot holds the most a message can: a micro-batch less one sample, then
+    one step of its envs, each giving up to reward_steps samples (all its last ones, at a game's end)."""
+    size = params.micro_batch - 1 + params.envs * params.reward_steps
+    return torch.from_numpy(np.zeros((params.processes, 2, size, *obs_space.shape), obs_space.dtype))
 
 
 if __name__ == "__main__":
@@ -132,23 +143,24 @@ if __name__ == "__main__":
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
-    processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
-    workers = {f"worker {i}": (params, args, weights, i) for i in range(params.processes)}
+    sample_slots = make_sample_slots(params, env.single_observation_space)   # states cross here: no pickling
+    processes.share_memory(parser, weights, sample_slots, page_locked=args.cuda)  # before any child starts
+    workers = {f"worker {i}": (params, args, weights, sample_slots, i) for i in range(params.processes)}
     batch = []
 
     with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(data_func, workers) as messages:
-        for states, actions, ref_vals, new_frames, episodes in messages:
+        for worker_id, slot, actions, ref_vals, new_frames, episodes in messages:
             frames += new_frames
             tracker.update(frames, episodes)
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
             # the main process only trains: it stacks micro-batches from all workers into one batch
-            batch.append((states, actions, ref_vals))
+            states = sample_slots[worker_id, slot, :len(actions)].to(device, copy=True)   # before it is filled again
+            batch.append((states, torch.as_tensor(actions), torch.as_tensor(ref_vals)))
             if sum(len(b[0]) for b in batch) < params.batch_size:
                 continue
-            states, actions, ref_vals = (torch.as_tensor(np.concatenate(parts), device=device)
-                                         for parts in zip(*batch))
+            states, actions, ref_vals = (torch.cat(parts).to(device) for parts in zip(*batch))
             batch.clear()
             optimizer.zero_grad()
             loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)

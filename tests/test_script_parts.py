@@ -127,6 +127,42 @@ def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_
     assert a3c_grad.mean_stats(stats_list, [5, 3]) == pytest.approx({k: v.item() for k, v in stats.items()})
 
 
+# ---------------------------------------------------------------- a3c_data plumbing
+class Sent(Exception):
+    pass
+
+
+def test_a3c_data_worker_fills_its_two_slots_in_turn_and_leaves_a_sent_one_until_its_next_message_is_taken():
+    # the main process copies a message's states out of their slot before it takes that worker's next
+    # message, so the slot must hold them until the worker's next send returns
+    params = types.SimpleNamespace(**dict(a3c_data.HYPERPARAMS["cartpole"], processes=2))
+    args = types.SimpleNamespace(env="cartpole", seed=3, cuda=False)
+    env = common.make_fast_env("cartpole")
+    net = a3c_data.A2C(env.single_observation_space.shape, env.single_action_space.n)
+    slots = a3c_data.make_sample_slots(params, env.single_observation_space)
+    taken = []   # (slot, states) of each message, as the main process copies them
+
+    def send(message):   # what the main process does with worker 1's messages
+        worker_id, slot, actions, _, _, _ = message
+        assert worker_id == 1
+        if taken:
+            last_slot, last_states = taken[-1]
+            assert slot != last_slot
+            assert torch.equal(slots[1, last_slot, :len(last_states)], last_states)   # not refilled yet
+        taken.append((slot, slots[1, slot, :len(actions)].clone()))
+        if len(taken) == 300:
+            raise Sent
+
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(), pytest.raises(Sent):
+        a3c_data.data_func(params, args, net, slots, 1, send=send)
+    torch.set_num_threads(threads)
+    sizes = [len(states) for _, states in taken]
+    # messages past a micro-batch and a sample from each env: games ended in their last step, and fit
+    assert max(sizes) > params.micro_batch + params.envs - 1
+    assert not slots[0].any()   # worker 0's slots untouched
+
+
 # ---------------------------------------------------------------- losses
 class LinearQ(torch.nn.Module):
     """Q-values = state @ table: one-hot states pick a row of the table."""
