@@ -864,10 +864,11 @@ def test_a_child_never_installs_a_torn_copy_of_weights_published_meanwhile():
     with processes.ChildProcesses(publish_numbers, {"writer": (weights,)}):
         deadline = time.time() + 60                  # the writer starts within seconds
         while len(set(installed)) < 100 and time.time() < deadline:
-            assert weights.refresh(child_net)
+            whole = weights.refresh(child_net)     # False: no gap in this writer's publishes for a second
             values = torch.cat([p.detach().flatten() for p in child_net.parameters()])
-            assert values.min() == values.max()       # the weights of one publish, whole
-            installed.append(values[0].item())
+            assert values.min() == values.max()       # the weights of one publish, whole, installed or kept
+            if whole:
+                installed.append(values[0].item())
         # the control: a plain copy, with no version to check, does catch a publish half-written
         while not torn and time.time() < deadline:
             plain = weights.flat.clone()
