@@ -343,7 +343,8 @@ def test_dqn_compile_on_a_python_that_torch_cannot_compile_for_ends_with_one_lin
 
 # ---------------------------------------------------------------- shared memory
 # what each script shares by default on Pong, worked out from the networks' sizes: the A2C net has
-# 3,293,863 parameters (13.2 MB), the DQN 1,687,206 (6.7 MB); a3c_grad adds a gradient slot per worker
+# 3,293,863 parameters (13.2 MB), the DQN 1,687,206 (6.7 MB); a3c_grad adds a gradient slot per worker,
+# a3c_data two slots of 63 states (28,224 bytes each) per worker: 14.2 MB
 SHARED = {"dqn_mp": ("6.7", "16m"), "a3c_data": ("27.4", "64m"), "a3c_grad": ("65.9", "128m")}
 
 
