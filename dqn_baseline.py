@@ -110,6 +110,7 @@ if __name__ == "__main__":
     if args.resume:   # go on where the stopped run was: its states, random generators and counters
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         train_steps = counters["train_steps"]
+        agent.epsilon = epsilon_by_frame(params, exp_source.frames)   # the first step acts at the run's
 
     with runs.Run(args, tracker, checkpoint_contents) as run:
         for exps in exp_source:

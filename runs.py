@@ -17,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 import common
 
 CHECKPOINT = "checkpoint.pt"   # the whole run, in its folder: what --resume goes on from
-CHECKPOINT_FORMAT = 3          # what a checkpoint holds and how; one of another format does not resume
+CHECKPOINT_FORMAT = 4          # what a checkpoint holds and how; one of another format does not resume
 SEGMENT_SEED = 10_000          # a resumed run's k-th segment seeds its envs and children with seed + k * this
 LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for it
 stop_signal = None             # SIGINT or SIGTERM, once one has asked the run to stop
@@ -169,16 +169,19 @@ class RewardTracker:
         self.model = {"script": args.script, "env": args.env, "obs_shape": tuple(env.single_observation_space.shape),
                       "n_actions": int(env.single_action_space.n), "bf16": args.bf16}   # play.py's net from best.pt
         self.rewards, self.frames, self.episodes, self.steps = collections.deque(maxlen=100), 0, 0, 0
+        self.losses = collections.deque(maxlen=100)   # the last 100 logged: train/avg_loss is their mean
         self.best_mean, self.solved, self.best_unwritten, self.training = None, False, False, False
         self.seconds, self.train_frames, self.train_seconds = 0.0, 0, 0.0   # over every segment
         self.last_update = self.last_print = self.first_step = None
 
     def state_dict(self):
-        return dict({name: getattr(self, name) for name in self.STATE}, rewards=[float(r) for r in self.rewards])
+        return dict({name: getattr(self, name) for name in self.STATE}, rewards=list(map(float, self.rewards)),
+                    losses=list(self.losses))
 
     def load_state_dict(self, state):
         vars(self).update({name: state[name] for name in self.STATE})
         self.rewards.extend(state["rewards"])
+        self.losses.extend(state["losses"])
 
     def begin(self, writer):   # the segment begins: its events go to writer, its clock starts
         self.writer, self.last_update = writer, time.perf_counter()
@@ -211,14 +214,17 @@ class RewardTracker:
             print(f"{frames}: done {self.episodes} games, mean reward {mean:.3f}, speed {fps:.1f} f/s", flush=True)
             self.last_print = (frames, now)
 
-    def record_step(self, **scalars):
-        """Record a training step just taken; log its scalars at the first step and every LOG_EVERY after it."""
+    def record_step(self, loss, **scalars):
+        """Record a training step just taken; log its loss, avg_loss (the mean of the last 100 losses logged) and
+        scalars at the first step and every LOG_EVERY after it."""
         self.steps += 1
         if not self.training:   # the segment's first training step (dqn_compile's compile) is timed apart
             self.first_step, self.training = time.perf_counter() - self.last_update, True
             self.seconds, self.last_update = self.seconds + self.first_step, self.last_update + self.first_step
-        for name, value in scalars.items() if (self.steps - 1) % LOG_EVERY == 0 else ():   # tensors: read now
-            self.writer.add_scalar(f"train/{name}", value.item() if torch.is_tensor(value) else value, self.frames)
+        if (self.steps - 1) % LOG_EVERY == 0:   # tensors: read now
+            self.losses.append(loss.item() if torch.is_tensor(loss) else loss)
+            for name, value in dict(loss=self.losses[-1], avg_loss=np.mean(self.losses), **scalars).items():
+                self.writer.add_scalar(f"train/{name}", value.item() if torch.is_tensor(value) else value, self.frames)
 
     def save_best(self, mean):
         """best.pt: what rebuilds the net, the run's progress, the weights; a failed write, one line until one works."""

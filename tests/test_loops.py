@@ -1,16 +1,21 @@
 """What each script's loop does with its own counters, in seconds, in this process where it can: the
-target net syncs at whole-run training steps across a resume, dqn_compile's epsilon falls with the
-frames, a resumed A3C run counts its frames on from the checkpoint's, a restored optimizer holds no
-tensor of the checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
+target net syncs at whole-run training steps across a resume, every DQN script acts at the epsilon of
+the frames played (a resumed segment's first step too) and logs the chapter's metrics, a resumed A3C
+run counts its frames on from the checkpoint's, a restored optimizer holds no tensor of the
+checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
 import errno
+import itertools
 import os
 import subprocess
 import sys
+import time
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,30 +83,76 @@ def test_the_target_net_syncs_at_whole_run_training_steps_also_across_a_resume(s
     assert training.syncs == list(range(CARTPOLE.target_sync, training.step + 1, CARTPOLE.target_sync))
 
 
-# ---------------------------------------------------------------- dqn_compile's epsilon
-def test_dqn_compiles_epsilon_follows_epsilon_by_frame_as_the_frames_grow(in_tmp, run_main, monkeypatch):
-    seen, sources = [], []   # (frames played, epsilon) at each call of the acting function
-    make_source = common.ExperienceSourceFirstLast.__init__
+# ---------------------------------------------------------------- epsilon
+@pytest.fixture
+def acting(monkeypatch):
+    """(frames played, epsilon) at each acting call of the experience sources made in this process: the
+    epsilon of a DQNAgent, or the tensor that dqn_compile's acting function is given."""
+    seen, make_source = [], common.ExperienceSourceFirstLast.__init__
 
-    def recording_init(self, *args, **kwargs):
-        make_source(self, *args, **kwargs)
-        sources.append(self)
-
-    def eager(fn, **kwargs):
-        if fn.__name__ != "select_actions":
-            return fn
-
-        def act(net, states, epsilon):
-            if sources:   # not the call that compiles it, before the loop
-                seen.append((sources[0].frames, float(epsilon)))
-            return fn(net, states, epsilon)
-        return act
+    def recording_init(self, env, agent, *args, **kwargs):
+        def act(states):
+            epsilon = agent.epsilon if hasattr(agent, "epsilon") else agent.__globals__["epsilon"]
+            seen.append((self.frames, float(epsilon)))
+            return agent(states)
+        make_source(self, env, act, *args, **kwargs)
     monkeypatch.setattr(common.ExperienceSourceFirstLast, "__init__", recording_init)
-    monkeypatch.setattr(torch, "compile", eager)
-    assert run_main("dqn_compile", "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0") == 0
-    assert seen[0] == (0, CARTPOLE.epsilon_start) and seen[-1][0] >= 1990
+    return seen
+
+
+def assert_epsilon_by_frame(seen):
     assert [epsilon for _, epsilon in seen] == pytest.approx(
         [dqn_compile.epsilon_by_frame(CARTPOLE, frames) for frames, _ in seen])
+
+
+@pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_compile"])
+def test_each_acting_call_uses_epsilon_by_frame_of_the_frames_played_also_first_in_a_resumed_segment(
+        script, in_tmp, acting, run_main):
+    assert run_main(script, "--env", "cartpole", "--max-frames", "1300") == 0
+    first_segment = len(acting)
+    stopped_at = torch.load(the_run(in_tmp) / runs.CHECKPOINT, weights_only=True)["exp_source"]["frames"]
+    assert acting[0] == (0, CARTPOLE.epsilon_start) and stopped_at >= 1300
+    assert run_main(script, "--resume", str(the_run(in_tmp)), "--max-frames", "2000") == 0
+    assert acting[first_segment][0] == stopped_at and acting[-1][0] >= 1990   # the resumed segment's first call
+    assert_epsilon_by_frame(acting)
+
+
+class Sent(Exception):
+    """Raised by the stand-in for dqn_mp's pipe once the play process has played enough."""
+
+
+@pytest.mark.parametrize("frames", [0, 1300])
+def test_dqn_mps_play_process_acts_at_epsilon_by_frame_from_the_frames_it_is_given(frames, in_tmp, acting):
+    import dqn_mp
+    args = types.SimpleNamespace(env="cartpole", envs=3, seed=0, cuda=False)
+    net = dqn_mp.DQN((4,), 2)
+
+    def send(message):
+        if message[1] >= frames + 700:
+            raise Sent
+    with pytest.raises(Sent):
+        dqn_mp.play_func(CARTPOLE, args, net, frames, send=send)
+    assert acting[0] == (frames, pytest.approx(dqn_compile.epsilon_by_frame(CARTPOLE, frames)))
+    assert acting[-1][0] >= frames + 690
+    assert_epsilon_by_frame(acting)
+
+
+# ---------------------------------------------------------------- what a DQN run logs
+CHAPTER_TAGS = ["episodes/reward", "episodes/avg_reward", "episodes/steps", "train/loss", "train/avg_loss",
+                "train/epsilon", "train/avg_fps"]   # the chapter's reward, avg_reward, steps, loss, avg_loss, ...
+
+
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_logged(script, in_tmp, run_main,
+                                                                                    monkeypatch):
+    clock, seconds = time.perf_counter, itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + next(seconds))   # a second a reading: avg_fps is logged
+    assert run_main(script, "--env", "cartpole", "--max-frames", "1700", "--checkpoint-minutes", "0") == 0
+    scalars = EventAccumulator(str(the_run(in_tmp)), size_guidance={"scalars": 0})
+    scalars.Reload()
+    assert set(CHAPTER_TAGS) <= set(scalars.Tags()["scalars"])
+    losses, avg_losses = ([e.value for e in scalars.Scalars(tag)] for tag in ("train/loss", "train/avg_loss"))
+    assert len(losses) >= 3 and avg_losses == pytest.approx([np.mean(losses[:i + 1]) for i in range(len(losses))])
 
 
 # ---------------------------------------------------------------- A3C's frames across a resume

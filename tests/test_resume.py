@@ -205,7 +205,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
                 if frames == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
                 net.bias += 1
-            tracker.record_step()
+            tracker.record_step(loss=0.0)
     assert run.exit_code == 143 and tracker.frames == 4
     checkpoint = torch.load(os.path.join(tracker.args.folder, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["tracker"]["frames"] == 4 and checkpoint["tracker"]["steps"] == 3
@@ -242,7 +242,8 @@ def listing(folder):
     return {entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns) for entry in folder.iterdir()}
 
 
-BAD_RESUME = [("dqn_fast", [], "is a checkpoint of dqn_baseline, format 3, not of dqn_fast, format 3"),
+FORMAT = runs.CHECKPOINT_FORMAT
+BAD_RESUME = [("dqn_fast", [], f"is a checkpoint of dqn_baseline, format {FORMAT}, not of dqn_fast, format {FORMAT}"),
               ("dqn_baseline", ["--bf16"], "--bf16 True contradicts the run in"),
               ("dqn_baseline", ["--env", "pong"], "--env pong contradicts the run in"),
               ("dqn_baseline", ["--seed", "5"], "--seed 5 contradicts the run in")]
@@ -286,7 +287,7 @@ def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(
     assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
     (line,) = our_lines(capsys.readouterr().err)
     assert line.startswith("dqn_baseline.py: error: --resume: ") and line.endswith(
-        "is a checkpoint of dqn_baseline, format 1, not of dqn_baseline, format 3: go on with the code that wrote it")
+        f"is a checkpoint of dqn_baseline, format 1, not of dqn_baseline, format {FORMAT}: go on with the code that wrote it")
     assert listing(tmp_path) == before
 
 

@@ -494,8 +494,8 @@ def reading_path(script):
     return len(text.splitlines()) + sum(defs[module][name][1] for module, name in reached)
 
 
-def test_what_a_learner_reads_for_dqn_baseline_is_at_most_600_lines():
-    assert reading_path("dqn_baseline.py") <= 600
+def test_what_a_learner_reads_for_dqn_baseline_is_at_most_610_lines():
+    assert reading_path("dqn_baseline.py") <= 610
 
 
 def test_reading_path_counts_the_script_and_each_definition_it_reaches_once(tmp_path, monkeypatch):
@@ -507,7 +507,7 @@ def test_reading_path_counts_the_script_and_each_definition_it_reaches_once(tmp_
     assert reading_path("two.py") == 3 + 2
 
 
-@pytest.mark.parametrize("module, budget", [("runs", 350), ("processes", 170)])
+@pytest.mark.parametrize("module, budget", [("runs", 360), ("processes", 170)])
 def test_the_plumbing_keeps_to_its_line_budget(module, budget):
     with open(os.path.join(REPO, f"{module}.py")) as f:
         assert len(f.read().splitlines()) <= budget
@@ -578,7 +578,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     assert result["script"] == script and result["env"] == "pong" and result["train_frames"] > 0
     scalars = events(tmp_path)
     assert len(scalars["train/loss"]) > 0
-    expected = ["train/epsilon", "episodes/reward", "episodes/avg_reward", "episodes/steps", "episodes/minutes",
+    expected = ["train/epsilon", "train/avg_loss", "episodes/reward", "episodes/avg_reward", "episodes/steps", "episodes/minutes",
                 "train/avg_fps"] if script in DQN_SCRIPTS else A3C_TAGS
     assert set(expected) <= set(scalars)
     folder = tmp_path / "runs" / os.listdir(tmp_path / "runs")[0]
