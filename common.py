@@ -2,6 +2,7 @@
 experience source, the replay buffer and batch unpacking. What a user changes lives in each script;
 the run's plumbing in runs.py and processes.py."""
 import collections
+import hashlib
 import os
 
 import ale_py
@@ -157,18 +158,71 @@ class ExperienceSourceFirstLast:
         self.frames = state["frames"]
 
 
+class FrameIndex:
+    """Which slots of a store of frames the transitions of a ring are made of, each frame stored once: consecutive
+    states share all frames but one, so a frame is found again by a 128-bit digest of its bytes, and its slot is
+    free again when no transition uses it. Slot 0 holds zeros: the padding, a terminal's next frame."""
+
+    def __init__(self, capacity, obs_space):
+        shape, self.dtype = obs_space.shape, obs_space.dtype
+        self.stacked = len(shape) == 3   # a stack of frames; a vector observation is one frame of its own
+        self.frame_shape = shape[1:] if self.stacked else shape
+        # a frame a transition, and room for those no transition starts with: the next frame of each truncated
+        # episode's last (one in 8 at most) and of each env's newest, and the older frames of each env's oldest
+        self.slots = capacity + capacity // 8 + 64
+        # per ring position, its transition's slots: its state's frames, then its next state's newest
+        self.rows = np.zeros((capacity, (shape[0] if self.stacked else 1) + 1), dtype=np.int64)
+        self.load(self.rows[:0], np.zeros((1, *self.frame_shape), self.dtype))
+
+    def place(self, pos, exp):
+        """Point ring position pos at a one-step experience's frames, releasing those of the transition it held;
+        returns the (slot, frame) pairs new to the store, for the caller to write there."""
+        for slot in self.rows[pos]:
+            self.uses[slot] -= 1
+            if self.uses[slot] == 0:
+                del self.slot_of[self.digests[slot]]
+                self.free.append(slot)
+        frames = list(exp.state) if self.stacked else [exp.state]
+        last = exp.last_state if exp.last_state is None or not self.stacked else exp.last_state[-1]
+        frames.append(np.zeros_like(frames[0]) if last is None else last)   # zeros after a terminal state
+        new = []
+        for k, frame in enumerate(frames):
+            frame = np.ascontiguousarray(frame, dtype=self.dtype)
+            key = digest(frame)
+            slot = self.slot_of.get(key)
+            if slot is None:   # a frame not in the store
+                if not self.free:
+                    raise RuntimeError(f"the replay buffer's store of {self.slots} frames is full")
+                slot = self.slot_of[key] = self.free.pop()
+                self.digests[slot] = key
+                new.append((slot, frame))
+            self.rows[pos, k] = slot
+            self.uses[slot] += 1
+        return new
+
+    def load(self, rows, frames):
+        """Take a ring's filled rows and the store's frames up to the highest slot they use (on the CPU)."""
+        self.rows[:len(rows)], self.rows[len(rows):] = rows, 0
+        self.uses = np.bincount(self.rows.ravel(), minlength=self.slots)
+        self.uses[0] += 1   # never freed
+        frames = np.asarray(frames)
+        self.digests = [digest(frames[slot]) if uses else None for slot, uses in enumerate(self.uses)]
+        self.slot_of = {key: slot for slot, key in enumerate(self.digests) if key}
+        self.free = [slot for slot in range(self.slots - 1, 0, -1) if not self.uses[slot]]   # pop() takes the lowest
+
+
+def digest(frame):
+    return hashlib.blake2b(frame, digest_size=16).digest()
+
+
 class ReplayBuffer:
-    """Ring buffer of one-step transitions in preallocated numpy arrays, sampled uniformly."""
-    ARRAYS = ("states", "actions", "rewards", "dones", "last_states")
+    """Ring buffer of one-step transitions, sampled uniformly, each frame stored once (FrameIndex)."""
+    ARRAYS = ("actions", "rewards", "dones")
 
     def __init__(self, capacity, obs_space, seed=None):
         self.capacity, self.size, self.pos = capacity, 0, 0
-        shape, dtype = obs_space.shape, obs_space.dtype
-        # a stack of frames shares all but its newest frame with the next state: keep only that one
-        self.stacked = len(shape) == 3
-        self.states = np.zeros((capacity, *shape), dtype=dtype)
-        last_shape = shape[1:] if self.stacked else shape
-        self.last_states = np.zeros((capacity, *last_shape), dtype=dtype)
+        self.index = FrameIndex(capacity, obs_space)
+        self.frames = np.zeros((self.index.slots, *self.index.frame_shape), dtype=obs_space.dtype)
         self.actions = np.zeros(capacity, dtype=np.int64)
         self.rewards = np.zeros(capacity, dtype=np.float32)
         self.dones = np.zeros(capacity, dtype=bool)
@@ -181,33 +235,35 @@ class ReplayBuffer:
         """Store one experience, overwriting the oldest when full."""
         assert exp.steps == 1, "the buffer stores one-step transitions"
         i = self.pos
-        self.states[i], self.actions[i], self.rewards[i] = exp.state, exp.action, exp.reward
-        self.dones[i] = exp.last_state is None
-        if exp.last_state is None:
-            self.last_states[i] = 0
-        else:
-            self.last_states[i] = exp.last_state[-1] if self.stacked else exp.last_state
+        for slot, frame in self.index.place(i, exp):
+            self.frames[slot] = frame
+        self.actions[i], self.rewards[i], self.dones[i] = exp.action, exp.reward, exp.last_state is None
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
     def sample(self, batch_size):
         """Arrays (states, actions, rewards, dones, last_states) of batch_size random transitions."""
         idx = self.rng.integers(0, self.size, batch_size)
-        states = self.states[idx]
-        last_states = self.last_states[idx]
-        if self.stacked:
-            last_states = np.concatenate([states[:, 1:], last_states[:, None]], axis=1)
+        rows = self.index.rows[idx]   # a next state is its state's frames but the oldest, and its own newest
+        states, last_states = self.frames[rows[:, :-1]], self.frames[rows[:, 1:]]
+        if not self.index.stacked:
+            states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
     def state_dict(self):
-        """The filled part as tensors that share the arrays' memory (torch.save writes that part, no
-        copy), the ring's position and the sampling generator's state."""
+        """The filled rows, the store up to its highest slot in use and the other arrays' filled part, as
+        tensors that share the arrays' memory (torch.save writes that part, no copy); the ring's position
+        and the sampling generator's state."""
+        rows = self.index.rows[:self.size]
         filled = {name: torch.from_numpy(getattr(self, name)[:self.size]) for name in self.ARRAYS}
-        return dict(filled, pos=self.pos, size=self.size, rng=self.rng.bit_generator.state)
+        return dict(filled, rows=torch.from_numpy(rows), frames=torch.from_numpy(self.frames[:rows.max(initial=0) + 1]),
+                    pos=self.pos, size=self.size, rng=self.rng.bit_generator.state)
 
     def load_state_dict(self, state):
         """Copy a state_dict's arrays into this buffer's own (from a mapped checkpoint: read as copied)."""
         self.pos, self.size = state["pos"], state["size"]
+        self.frames[:len(state["frames"])] = state["frames"].numpy()
+        self.index.load(state["rows"].numpy(), state["frames"])
         for name in self.ARRAYS:
             getattr(self, name)[:self.size] = state[name].numpy()
         self.rng.bit_generator.state = state["rng"]

@@ -99,23 +99,23 @@ def train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
 
 # ---------------------------------------------------------------- replay buffer on the device
 class DeviceReplayBuffer:
-    """common.ReplayBuffer's ring of one-step transitions, the same arrays as tensors on the device,
-    where the training step samples it: a step's new transitions cross from the host, no batch does."""
-    COLUMNS = common.ReplayBuffer.ARRAYS
+    """common.ReplayBuffer's ring of one-step transitions, each frame stored once, as tensors on the device,
+    where the training step samples it: the host keeps the FrameIndex, a step's new frames and rows cross to
+    the device, no batch does."""
+    COLUMNS = ("rows", *common.ReplayBuffer.ARRAYS)
 
     def __init__(self, capacity, obs_space, device):
         self.capacity, self.device = capacity, device
         self.count = 0                          # transitions ever stored: the ring's position, on the host
-        shape, dtype = obs_space.shape, torch.as_tensor(obs_space.sample()).dtype
-        self.stacked = len(shape) == 3          # as in common.ReplayBuffer: of a next state, its newest frame
-        last_shape = shape[1:] if self.stacked else shape
-        self.states = torch.zeros((capacity, *shape), dtype=dtype, device=device)
+        self.index = common.FrameIndex(capacity, obs_space)
+        dtype = torch.as_tensor(obs_space.sample()).dtype
+        self.frames = torch.zeros((self.index.slots, *self.index.frame_shape), dtype=dtype, device=device)
+        self.rows = torch.zeros(self.index.rows.shape, dtype=torch.int64, device=device)
         self.actions = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.rewards = torch.zeros(capacity, dtype=torch.float32, device=device)
         self.dones = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.last_states = torch.zeros((capacity, *last_shape), dtype=dtype, device=device)
         self.size = torch.zeros((), dtype=torch.int64, device=device)   # the compiled step reads a tensor, not an int
-        for tensor in (self.states, self.actions, self.rewards, self.dones, self.last_states, self.size):
+        for tensor in (self.frames, self.rows, self.actions, self.rewards, self.dones, self.size):
             torch._dynamo.mark_static_address(tensor)   # a CUDA graph reads it in place: never copied in, never recompiled
 
     def __len__(self):
@@ -125,12 +125,15 @@ class DeviceReplayBuffer:
         """Store one step's experiences, overwriting the oldest: one copy to the device per array."""
         if not exps:
             return
-        last_states = [np.zeros_like(e.state) if e.last_state is None else e.last_state for e in exps]
-        columns = (np.stack([e.state for e in exps]), np.array([e.action for e in exps], dtype=np.int64),
-                   np.array([e.reward for e in exps], dtype=np.float32),
-                   np.array([e.last_state is None for e in exps]),
-                   np.stack([s[-1] for s in last_states] if self.stacked else last_states))
-        idx = torch.arange(self.count, self.count + len(exps), device=self.device) % self.capacity
+        pos = np.arange(self.count, self.count + len(exps)) % self.capacity
+        new = {}   # slot: frame, the last one placed there
+        for i, exp in zip(pos, exps):
+            new.update(self.index.place(i, exp))
+        if new:
+            self.frames[self._to_device(np.array(list(new)))] = self._to_device(np.stack(list(new.values())))
+        columns = (self.index.rows[pos], np.array([e.action for e in exps], dtype=np.int64),
+                   np.array([e.reward for e in exps], dtype=np.float32), np.array([e.last_state is None for e in exps]))
+        idx = self._to_device(pos)
         for name, column in zip(self.COLUMNS, columns):
             getattr(self, name)[idx] = self._to_device(column)
         self.count += len(exps)
@@ -142,14 +145,18 @@ class DeviceReplayBuffer:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def state_dict(self):
-        """The filled part as CPU tensors, each its own storage (torch.save writes no more), and the count."""
+        """The filled part as CPU tensors, each its own storage (torch.save writes no more): the rows, the store
+        of frames up to its highest slot in use, the other columns; and the count."""
         n = len(self)
         filled = {name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS}
-        return dict(filled, count=self.count)
+        slots = int(self.index.rows[:n].max(initial=0)) + 1
+        return dict(filled, frames=torch.from_numpy(self.frames[:slots].cpu().numpy()), count=self.count)
 
     def load_state_dict(self, state):
         """Copy a state_dict's tensors into this buffer's own, where the compiled step reads them."""
         self.count = state["count"]
+        self.index.load(state["rows"].numpy(), state["frames"])
+        self.frames[:len(state["frames"])] = state["frames"].to(self.device)
         for name in self.COLUMNS:
             getattr(self, name)[:len(self)] = state[name].to(self.device)
         self.size.fill_(len(self))
@@ -160,10 +167,11 @@ class DeviceReplayBuffer:
 
     def transitions(self, idx):
         """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
-        gives them: next states rebuilt from the states' last 3 frames and the stored newest one."""
-        states, last_states = self.states[idx], self.last_states[idx]
-        if self.stacked:
-            last_states = torch.cat([states[:, 1:], last_states.unsqueeze(1)], dim=1)
+        gives them: a next state is its state's frames but the oldest, and its own newest."""
+        rows = self.rows[idx]
+        states, last_states = self.frames[rows[:, :-1]], self.frames[rows[:, 1:]]
+        if not self.index.stacked:
+            states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
 

@@ -17,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 import common
 
 CHECKPOINT = "checkpoint.pt"   # the whole run, in its folder: what --resume goes on from
-CHECKPOINT_FORMAT = 4          # what a checkpoint holds and how; one of another format does not resume
+CHECKPOINT_FORMAT = 5          # what a checkpoint holds and how; one of another format does not resume
 SEGMENT_SEED = 10_000          # a resumed run's k-th segment seeds its envs and children with seed + k * this
 LOG_EVERY = 100                # training steps between logged training scalars: reading a GPU tensor waits for it
 stop_signal = None             # SIGINT or SIGTERM, once one has asked the run to stop

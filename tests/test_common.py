@@ -311,6 +311,108 @@ def test_replay_samples_only_filled_slots():
     assert set(states[:, 0]) == {1.0, 2.0}
 
 
+class ArraysReplayBuffer:
+    """The replay buffer as it was before frames were stored once, the reference that ReplayBuffer's batches
+    must equal byte for byte: each transition's whole state and its next state's newest frame."""
+
+    def __init__(self, capacity, obs_space, seed=None):
+        self.capacity, self.size, self.pos = capacity, 0, 0
+        shape, dtype = obs_space.shape, obs_space.dtype
+        self.stacked = len(shape) == 3
+        self.states = np.zeros((capacity, *shape), dtype=dtype)
+        self.last_states = np.zeros((capacity, *(shape[1:] if self.stacked else shape)), dtype=dtype)
+        self.actions = np.zeros(capacity, dtype=np.int64)
+        self.rewards = np.zeros(capacity, dtype=np.float32)
+        self.dones = np.zeros(capacity, dtype=bool)
+        self.rng = np.random.default_rng(seed)
+
+    def append(self, exp):
+        i = self.pos
+        self.states[i], self.actions[i], self.rewards[i] = exp.state, exp.action, exp.reward
+        self.dones[i] = exp.last_state is None
+        if exp.last_state is None:
+            self.last_states[i] = 0
+        else:
+            self.last_states[i] = exp.last_state[-1] if self.stacked else exp.last_state
+        self.pos = (i + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+
+    def sample(self, batch_size):
+        idx = self.rng.integers(0, self.size, batch_size)
+        states = self.states[idx]
+        last_states = self.last_states[idx]
+        if self.stacked:
+            last_states = np.concatenate([states[:, 1:], last_states[:, None]], axis=1)
+        return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
+
+
+class Palette(gym.Env):
+    """Observations (frames of 6 x 6 bytes, or 3-vectors) drawn from a palette of `colors` fixed ones: few, and
+    unrelated states share frames too; an episode terminates with probability 0.1 a step, or is truncated at
+    its 12th."""
+    action_space = gym.spaces.Discrete(3)
+
+    def __init__(self, frames, colors):
+        shape, dtype = ((6, 6), np.uint8) if frames else ((3,), np.float32)
+        self.observation_space = gym.spaces.Box(0, 255, shape, dtype)
+        self.palette = np.random.default_rng(7).integers(0, 256, (colors, *shape)).astype(dtype)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return self.palette[self.np_random.integers(len(self.palette))], {}
+
+    def step(self, action):
+        self.steps += 1
+        return (self.palette[self.np_random.integers(len(self.palette))], float(action),
+                bool(self.np_random.random() < 0.1), self.steps == 12, {})
+
+
+def palette_steps(frames, colors, steps, envs=3):
+    """Each step's one-step experiences of envs Palette envs (frames stacked by 4, zero-padded, as on
+    Atari), and the lengths of the episodes that ended."""
+    def make():
+        env = Palette(frames, colors)
+        return gym.wrappers.FrameStackObservation(env, 4, padding_type="zero") if frames else env
+    env = gym.vector.SyncVectorEnv([make] * envs)
+    rng = np.random.default_rng(0)
+    source = common.ExperienceSourceFirstLast(env, lambda obs: rng.integers(3, size=envs), GAMMA, seed=0)
+    played = [exps for _, exps in zip(range(steps), source)]
+    return played, env.single_observation_space, [length for _, length in source.pop_episodes()]
+
+
+def assert_frames_indexed(buffer):
+    """Each slot's count of uses is the rows' pointing at it (slot 0 one more: never freed), free slots are
+    those unused, and the store keeps each frame once."""
+    index = buffer.index
+    expected = np.bincount(index.rows.ravel(), minlength=len(index.uses))
+    expected[0] += 1
+    assert np.array_equal(index.uses, expected)
+    assert sorted(index.free) == [slot for slot in range(1, len(index.uses)) if not index.uses[slot]]
+    used = np.flatnonzero(index.uses)
+    assert len({buffer.frames[slot].tobytes() for slot in used}) == len(used)
+
+
+@pytest.mark.parametrize("colors", [30, 10 ** 6], ids=["shared", "distinct"])
+@pytest.mark.parametrize("frames", [True, False], ids=["stacked-frames", "vectors"])
+def test_replay_batches_are_byte_for_byte_those_of_the_arrays_buffer_through_ends_truncations_and_wraps(
+        frames, colors):
+    steps, space, lengths = palette_steps(frames, colors, 400)
+    buffer, reference = common.ReplayBuffer(40, space, seed=3), ArraysReplayBuffer(40, space, seed=3)
+    for step, exps in enumerate(steps):
+        for exp in exps:
+            buffer.append(exp)
+            reference.append(exp)
+        if len(buffer):
+            for got, expected in zip(buffer.sample(9), reference.sample(9)):
+                assert got.dtype == expected.dtype and np.array_equal(got, expected)
+        if step % 25 == 0:
+            assert_frames_indexed(buffer)
+    assert sum(lengths) > 20 * 40 and lengths.count(12) > 20 and min(lengths) < 5   # wraps, truncations, ends
+    live = np.count_nonzero(buffer.index.uses)   # at most a frame a transition, the envs' ends and zeros
+    assert live <= 31 if colors == 30 else 40 < live <= 40 + 40 // 12 + 4 * 3 + 1
+
+
 # ---------------------------------------------------------------- batch unpacking
 def test_unpack_batch_dqn_keeps_values_and_dtypes():
     batch = (np.arange(2 * 4 * 3 * 3, dtype=np.uint8).reshape(2, 4, 3, 3),

@@ -42,11 +42,19 @@ def fake_env(shape=(4,)):
 
 
 def transitions(count, seed):
-    """count Pong-shaped transitions of random frames, every 7th terminal."""
+    """count Pong-shaped one-step transitions of one env's episodes of random frames, each 7th terminal:
+    a state shares all frames but its newest with the next, an episode's first is zero-padded."""
     rng = np.random.default_rng(seed)
-    return [common.ExperienceFirstLast(rng.integers(0, 256, SPACE.shape, np.uint8), int(rng.integers(6)),
-                                       float(rng.normal()), None if i % 7 == 6 else
-                                       rng.integers(0, 256, SPACE.shape, np.uint8), 1) for i in range(count)]
+
+    def frame():
+        return rng.integers(0, 256, (1, *SPACE.shape[1:]), np.uint8)
+    played, state = [], np.concatenate([np.zeros((3, *SPACE.shape[1:]), np.uint8), frame()])
+    for i in range(count):
+        last = np.concatenate([state[1:], frame()])
+        played.append(common.ExperienceFirstLast(state, int(rng.integers(6)), float(rng.normal()),
+                                                 None if i % 7 == 6 else last, 1))
+        state = np.concatenate([np.zeros((3, *SPACE.shape[1:]), np.uint8), frame()]) if i % 7 == 6 else last
+    return played
 
 
 def trained(seed):
@@ -112,6 +120,7 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_gener
     assert (buffer2.pos, buffer2.size) == (30, 50)
     for name in common.ReplayBuffer.ARRAYS:
         assert np.array_equal(getattr(buffer, name), getattr(buffer2, name)), name
+    assert np.array_equal(buffer.frames[buffer.index.rows], buffer2.frames[buffer2.index.rows])   # each transition's
     assert (tracker2.frames, tracker2.episodes, tracker2.steps) == (1234, 3, 2)
     assert list(tracker2.rewards) == [-20.0, -19.0, -18.0]
     assert (tracker2.seconds, tracker2.train_frames, tracker2.train_seconds) == (
@@ -120,13 +129,13 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_gener
     assert next_draws(buffer2) == expected
 
 
-def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer(tmp_path):
-    buffer = common.ReplayBuffer(1000, SPACE)   # 28 MB of states when full
-    for exp in transitions(10, seed=0):
+def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer_each_frame_once(tmp_path):
+    buffer = common.ReplayBuffer(1000, SPACE)   # a store of 1,189 frames of 7,056 bytes
+    for exp in transitions(10, seed=0):       # 11 frames and the zeros, in the store's first slots
         buffer.append(exp)
     path = str(tmp_path / "buffer.pt")
     runs.save_whole(buffer.state_dict(), path)
-    assert os.path.getsize(path) < 10 * (28_224 + 7_056) + 50_000
+    assert os.path.getsize(path) < 12 * 7_056 + 50_000
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -137,7 +146,7 @@ def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(devi
         buffer.extend(transitions(80, seed=0)[step:step + 3])
     path = str(tmp_path / "buffer.pt")
     runs.save_whole(buffer.state_dict(), path)
-    assert os.path.getsize(path) < 50 * (28_224 + 7_056) + 50_000
+    assert os.path.getsize(path) < (50 + 50 // 7 + 5) * 7_056 + 50_000   # a frame a transition, an episode's last
     restored = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
     restored.load_state_dict(torch.load(path, mmap=True, weights_only=True))
     assert restored.count == buffer.count == 80 and restored.size.item() == 50

