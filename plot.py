@@ -3,6 +3,7 @@
 run minutes, one line per run labelled by its script and name, with the stop reward dashed."""
 import os
 import re
+import sys
 
 import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
@@ -37,6 +38,29 @@ def load_curve(run_dir, x):
     return os.path.basename(os.path.normpath(run_dir)), xs, [p.value for p in points]
 
 
+def marks_table(run_dir, marks):
+    """A markdown table of a run's curve at each mark (frames): the mean of the first game that ended at
+    or past it and the run minutes then, and in the last column the run's last game."""
+    _, frames, means = load_curve(run_dir, "frames")
+    minutes = load_curve(run_dir, "minutes")[1]
+    columns = [next(i for i, f in enumerate(frames) if f >= mark) for mark in marks if mark <= frames[-1]]
+    columns.append(len(frames) - 1)
+    last = len(columns) - 1
+
+    header = [f"{mark / 1e6:.2f}".removesuffix("0") + "M" for mark in marks[:last]] + [f"{frames[-1] / 1e6:.2f}M"]
+    rows = [["frames", *header],
+            ["mean reward of the last 100 games", *(f"{means[i]:+.{2 if k == last else 1}f}" for k, i in enumerate(columns))],
+            ["run minutes", *(f"{minutes[i]:.1f}" for i in columns)]]
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines[:1] + ["|---|" + "---:|" * len(columns)] + lines[1:])
+
+
+def mark(text):
+    """Frames from a mark such as 0.5M or 200k."""
+    scale = {"k": 1e3, "M": 1e6}.get(text[-1:], 1)
+    return round(float(text[:-1] if scale != 1 else text) * scale)
+
+
 def labels(folders):
     """Script, env and name of each run (its folder's name without the time), with the time
     where two runs would share a label."""
@@ -58,8 +82,13 @@ if __name__ == "__main__":
     parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
                         help="where to write the plot (default: reward.png)")
     parser.add_argument("--x", choices=["frames", "minutes"], default="frames", help="x axis (default: frames)")
+    parser.add_argument("--table", nargs="+", type=mark, metavar="FRAMES",
+                        help="print each run's table at these frames (0.5M, 200k) and its last game, and no plot")
     args = parser.parse_args()
     try:
+        if args.table:
+            print("\n\n".join(marks_table(run_dir, sorted(args.table)) for run_dir in args.run_dirs))
+            sys.exit(0)
         curves = [load_curve(run_dir, args.x) for run_dir in args.run_dirs]
         output = open(args.output, "wb")
     except ValueError as error:

@@ -60,6 +60,38 @@ def hooked_env(tmp_path, hook, env=None):
     return dict(env, PYTHONPATH=os.pathsep.join(paths))
 
 
+# --cuda's lines on a CPU, for a test's processes: a "cuda" device is the CPU, there is one GPU, its
+# generator is torch's, page_lock checks that it is given a shared CPU tensor, and $RL_TEST_EAGER
+# leaves torch.compile out. What only a GPU runs stays untested here: CUDA graphs, page-locked and
+# non-blocking copies (docs/HOW.md)
+CUDA_STANDIN_HOOK = """
+import os
+import torch
+_device = torch.device
+class _DeviceType(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _device)
+class StandInDevice(metaclass=_DeviceType):
+    def __new__(cls, kind, index=None):
+        if str(kind).startswith("cuda"):
+            return _device("cpu")
+        return _device(kind) if index is None else _device(kind, index)
+torch.device = StandInDevice
+torch.cuda.is_available = lambda: True
+torch.accelerator.current_accelerator = lambda check_available=False: None   # what Adam asks
+torch.cuda.device_count = lambda: 1
+torch.cuda.set_device = lambda device: None
+torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+torch.cuda.set_rng_state = lambda state, device="cuda": None
+if os.environ.get("RL_TEST_EAGER"):
+    torch.compile = lambda fn, **kwargs: fn
+import processes
+def page_lock(tensor):
+    assert tensor.device.type == "cpu" and tensor.is_shared(), "page_lock takes a shared CPU tensor"
+processes.page_lock = page_lock
+"""
+
+
 def our_lines(err):
     """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever warnings
     a library prints around them; a traceback fails the test."""

@@ -20,15 +20,20 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+import a3c_data  # noqa: E402
+import a3c_dist as a3c_dist_script  # noqa: E402
+import a3c_grad  # noqa: E402
 import common  # noqa: E402
 import dqn_compile  # noqa: E402
 import runs  # noqa: E402
-from conftest import free_port, our_lines  # noqa: E402
+from conftest import free_port, hooked_env, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}   # frames a training step
 CARTPOLE = types.SimpleNamespace(**dqn_compile.CARTPOLE)   # every DQN script's: training from frame
 # 1,000, a target sync every 200 training steps (tests/test_script_parts.py checks they are the same)
+CLIP_GRAD = {name: module.CARTPOLE["clip_grad"] for name, module in
+             [("a3c_data", a3c_data), ("a3c_grad", a3c_grad), ("a3c_dist", a3c_dist_script)]}
 
 
 @pytest.fixture
@@ -155,6 +160,46 @@ def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_log
     assert len(losses) >= 3 and avg_losses == pytest.approx([np.mean(losses[:i + 1]) for i in range(len(losses))])
 
 
+# ---------------------------------------------------------------- A3C's gradient clip
+# the process that steps writes to $RL_TEST_CLIP each clip's max norm and the norm it found, and the norm
+# of the gradient that each optimizer step applies
+CLIP_HOOK = """
+import os
+import torch
+_clip, _step = torch.nn.utils.clip_grad_norm_, torch.optim.Adam.step
+def write(line):
+    with open(os.environ["RL_TEST_CLIP"], "a") as f:
+        f.write(line + "\\n")
+def recording_clip(parameters, max_norm, *args, **kwargs):
+    norm = _clip(parameters, max_norm, *args, **kwargs)
+    write(f"clip {max_norm} {float(norm)}")
+    return norm
+def recording_step(self, *args, **kwargs):
+    grads = [p.grad.flatten() for group in self.param_groups for p in group["params"]]
+    write(f"step {float(torch.cat(grads).norm())}")
+    return _step(self, *args, **kwargs)
+torch.nn.utils.clip_grad_norm_, torch.optim.Adam.step = recording_clip, recording_step
+"""
+
+
+@pytest.mark.parametrize("script", ["a3c_data", "a3c_grad", "a3c_dist"])
+def test_each_a3c_step_applies_the_gradient_clipped_to_clip_grad(script, tmp_path):
+    env = dict(hooked_env(tmp_path, CLIP_HOOK), RL_TEST_CLIP=str(tmp_path / "clips"))
+    args = ["--env", "cartpole", "--max-frames", "1500", "--checkpoint-minutes", "0", "--envs", "2"]
+    if script == "a3c_dist":
+        assert a3c_dist(*args, cwd=tmp_path, env=env) == 0
+    else:
+        assert subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), *args, "--processes", "2"],
+                              cwd=tmp_path, env=env, timeout=120).returncode == 0
+    lines = [line.split() for line in (tmp_path / "clips").read_text().splitlines()]
+    clips = [(float(max_norm), float(norm)) for kind, max_norm, norm in (l for l in lines if l[0] == "clip")]
+    steps = [float(norm) for kind, norm in (l for l in lines if l[0] == "step")]
+    clip_grad = CLIP_GRAD[script]
+    assert len(steps) == len(clips) > 5 and {max_norm for max_norm, _ in clips} == {clip_grad}
+    assert max(norm for _, norm in clips) > clip_grad   # steps whose gradient the clip shortened
+    assert max(steps) <= clip_grad * (1 + 1e-5)
+
+
 # ---------------------------------------------------------------- A3C's frames across a resume
 def episode_frames(folder):
     """The frame count of every episode the run logged, in the order its event files were written: read
@@ -167,9 +212,9 @@ def episode_frames(folder):
     return steps
 
 
-def a3c_dist(*args, cwd):
+def a3c_dist(*args, cwd, env=None):
     """a3c_dist.py as the one rank that torchrun would start, without torchrun's agent."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
+    env = dict(env or os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return subprocess.run([sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd, env=env,
                           timeout=120).returncode

@@ -312,6 +312,21 @@ def test_plot_minutes_are_the_logged_run_minutes_where_a_run_has_them(logged, tm
         assert xs == sorted(xs) and 0 <= xs[0] and xs[-1] < 1   # written within a minute
 
 
+def test_plot_table_gives_the_first_game_at_or_past_each_mark_and_the_last(tmp_path, in_process):
+    with SummaryWriter(str(tmp_path / "run")) as writer:   # games ending at 0.4M, 0.5M, 0.9M and 1.234M
+        for frames, mean, minutes in [(400_000, -21.0, 10.0), (500_000, -20.5, 12.5), (900_000, -3.2, 20.0),
+                                      (1_234_000, 18.004, 31.06)]:
+            writer.add_scalar("episodes/avg_reward", mean, frames)
+            writer.add_scalar("episodes/minutes", minutes, frames)
+    code, out, err = in_process("plot", str(tmp_path / "run"), "--table", "500k", "0.6M", "2M")
+    assert code == 0 and err == "" and out == """| frames | 0.5M | 0.6M | 1.23M |
+|---|---:|---:|---:|
+| mean reward of the last 100 games | -20.5 | -3.2 | +18.00 |
+| run minutes | 12.5 | 20.0 | 31.1 |
+"""   # 2M: past the run's end, left out
+    assert not (tmp_path / "reward.png").exists()
+
+
 @slow
 def test_plot_curve_of_a_solved_run_ends_at_the_stop_reward(cartpole_run):
     _, _, means = plot.load_curve(str(cartpole_run), "frames")
@@ -342,6 +357,7 @@ def events_without_episodes(folder):
     (lambda d: None, ["missing"], "no such run folder: missing"),
     (lambda d: None, ["."], "holds no TensorBoard events"),
     (lambda d: events_without_episodes(d / "run"), ["run"], "no finished episode yet"),
+    (lambda d: None, [".", "--table", "1Q"], "invalid mark value: '1Q'"),
 ])
 def test_plot_bad_input_ends_with_one_line_and_exit_code_2(make, args, message, tmp_path, in_process):
     make(tmp_path)

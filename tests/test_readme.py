@@ -3,12 +3,15 @@ import glob
 import os
 import re
 import subprocess
+import sys
 
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"\]\(([^)\s]+)\)")   # a markdown link's target
 ROW = re.compile(r"^\| `(\w+)\.py` \|.*\| `(\w+)\.py` \| \+(\d+) -(\d+) \|", re.MULTILINE)
+# a table that samples a run's curve, after the command that prints it
+MARKS_TABLE = re.compile(r"^`python plot\.py (\S+) --table ([^`]+)`:\n\n((?:\|.*\n)+)", re.MULTILINE)
 
 
 def test_the_changed_lines_column_is_what_git_diff_counts():
@@ -19,6 +22,16 @@ def test_the_changed_lines_column_is_what_git_diff_counts():
         numstat = subprocess.run(["git", "diff", "--no-index", "--numstat", f"{against}.py", f"{script}.py"],
                                  cwd=REPO, capture_output=True, text=True).stdout.split()
         assert numstat[:2] == [added, removed], script
+
+
+def test_each_table_of_a_runs_curve_in_results_is_what_its_command_prints_from_the_committed_events():
+    sys.path.insert(0, REPO)
+    import plot
+    with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
+        tables = MARKS_TABLE.findall(f.read())
+    assert len(tables) >= 12
+    for run_dir, marks, table in tables:
+        assert plot.marks_table(os.path.join(REPO, run_dir), [plot.mark(m) for m in marks.split()]) == table.strip()
 
 
 def test_the_readme_stays_short_with_its_results_table_in_its_first_60_lines():

@@ -5,9 +5,11 @@ import copy
 import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
+import time
 import types
 
 import gymnasium as gym
@@ -222,6 +224,84 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
     assert torch.equal(checkpoint["net"]["bias"], net.bias)   # the step that the signal landed in is whole
 
 
+# ---------------------------------------------------------------- a stop's checkpoint, its events, its exit code
+def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    net = nn.Linear(4, 3)
+    tracker = runs.RewardTracker(fake_args(), net, fake_env())
+    run = runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker))
+    run.__enter__()
+    for frames in (10, 20):
+        tracker.update(frames, [(-21.0 + frames, 1)])
+    assert run.save_checkpoint()
+    for frames in (25, 30):                      # logged after the checkpoint, then the run is killed:
+        tracker.update(frames, [(-21.0 + frames, 1)])   # no stop, no last checkpoint
+    tracker.writer.flush()
+
+    folder = tracker.args.folder
+    resumed = runs.RewardTracker(fake_args(resume=folder, segment=1), net, fake_env())
+    runs.restore(folder, dict(net=net, tracker=resumed), torch.device("cpu"))
+    with runs.Run(fake_args(resume=folder, segment=1), resumed, lambda: dict(net=net, tracker=resumed)):
+        for frames in (24, 28):
+            resumed.update(frames, [(-21.0 + frames, 1)])
+    events = EventAccumulator(folder)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("episodes/reward")] == [(10, -11.0), (20, -1.0), (24, 3.0),
+                                                                              (28, 7.0)]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("solved", [False, True])
+def test_a_signalled_stop_whose_checkpoint_fails_exits_with_code_2_unless_solved(signum, code, solved, tmp_path,
+                                                                                monkeypatch, stop_handler, capsys):
+    monkeypatch.chdir(tmp_path)
+    tracker = runs.RewardTracker(fake_args(), nn.Linear(4, 3), fake_env())
+
+    def full_disk(obj, path):
+        raise runs.WriteFailed(f"cannot write {path} (No space left on device)")
+    with runs.Run(fake_args(), tracker, lambda: dict(tracker=tracker)) as run:
+        tracker.solved = solved
+        os.kill(os.getpid(), signum)
+        monkeypatch.setattr(runs, "save_whole", full_disk)
+    assert run.exit_code == (code if solved else 2)
+    assert "checkpoint.pt (No space left on device)" in capsys.readouterr().err
+
+
+def test_no_periodic_checkpoint_is_written_once_a_signal_has_asked_the_run_to_stop(tmp_path, monkeypatch,
+                                                                                  stop_handler):
+    monkeypatch.chdir(tmp_path)
+    args = dict(vars(fake_args()), checkpoint_minutes=1e-6)   # due at every question
+    tracker = runs.RewardTracker(types.SimpleNamespace(**args), nn.Linear(4, 3), fake_env())
+    written = []
+    with runs.Run(types.SimpleNamespace(**args), tracker, lambda: dict(tracker=tracker)) as run:
+        monkeypatch.setattr(run, "save_checkpoint", lambda goes_on="": written.append(tracker.frames))
+        for frames in range(1, 6):
+            time.sleep(0.001)
+            tracker.update(frames, [])
+            if frames == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            run.save_checkpoint_if_due()
+    assert written == [1, 2, 5]   # none at frames 3 and 4, after the signal: the stop's own at 5
+
+
+def test_train_fps_leaves_out_the_first_training_step_which_compiles(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.now)
+    tracker = runs.RewardTracker(fake_args(), nn.Linear(4, 3), fake_env())
+    with runs.Run(fake_args(), tracker, lambda: dict(tracker=tracker)):
+        tracker.update(100, [])
+        clock.now += 30.0                          # the first step compiles for 30 s
+        tracker.record_step(loss=1.0)
+        for frames in range(200, 1100, 100):       # then 100 frames a second
+            clock.now += 1.0
+            tracker.update(frames, [])
+            tracker.record_step(loss=1.0)
+    summary = tracker.summary()
+    assert summary["first_step_seconds"] == 30.0 and summary["train_fps"] == 100.0
+    assert summary["seconds"] == 39.0 and summary["train_frames"] == 900
+
+
 # ---------------------------------------------------------------- a bad --resume
 def run_script(script, *args, cwd, env=None, timeout=300):
     proc = subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), *args], cwd=cwd, env=env,
@@ -315,13 +395,19 @@ class Made(Exception):
     """Raised by a stand-in for the tracker: the script got that far."""
 
 
-def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_main, monkeypatch, stop_handler):
+def options_at_start(monkeypatch):
+    """The options of the next run started in this process, which stops where it makes its tracker (Made)."""
     options = {}
 
     def tracker(args, *rest, **kwargs):
         options.update(vars(args))
         raise Made
     monkeypatch.setattr(runs, "RewardTracker", tracker)
+    return options
+
+
+def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_main, monkeypatch, stop_handler):
+    options = options_at_start(monkeypatch)
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "900")
     assert options["env"] == "cartpole" and options["max_frames"] == 900 and not options["bf16"]
@@ -329,6 +415,19 @@ def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_m
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(stopped_run))
     assert options["max_frames"] == 300          # the budget the run was last given
+
+
+def test_a_second_resume_plays_with_the_runs_seed_offset_twice(stopped_run, tmp_path, run_main, monkeypatch,
+                                                                 stop_handler):
+    folder = tmp_path / "run"
+    shutil.copytree(stopped_run, folder)
+    assert run_main("dqn_baseline", "--resume", str(folder), "--max-frames", "400") == 0
+    checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
+    assert checkpoint["segments"] == 2 and checkpoint["options"]["seed"] == 0   # the run's seed, not the segment's
+    options = options_at_start(monkeypatch)
+    with pytest.raises(Made):
+        run_main("dqn_baseline", "--resume", str(folder), "--max-frames", "500")
+    assert options["segment"] == 2 and options["seed"] == 2 * runs.SEGMENT_SEED
 
 
 # ---------------------------------------------------------------- a kill mid-write
@@ -427,7 +526,8 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
     assert checkpoint["tracker"]["frames"] == stopped["frames"] and checkpoint["tracker"]["episodes"] == stopped["episodes"]
     assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
-    assert checkpoint.get("frames", stopped["frames"]) == stopped["frames"]   # a script's own count, where it keeps one
+    own_count = checkpoint["frames"] if "frames" in checkpoint else checkpoint["exp_source"]["frames"]
+    assert own_count == stopped["frames"]   # the count the script plays on from
     before = scalars(folder)
 
     env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))

@@ -312,7 +312,8 @@ def test_dqn_compile_steps_as_the_script_takes_them_match_eager_steps_with_no_re
                     tgt_net.load_state_dict(net.state_dict())
     for eager_param, before in zip(nets[0].parameters(), start):
         assert not torch.equal(eager_param, before)   # every weight moved: the steps were real
-    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    if device.type == "cuda":   # acting replayed as CUDA graphs, none skipped (the CPU records none)
+        assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_dqn_compile_acting_explores_at_rate_epsilon():

@@ -3,6 +3,7 @@ The fast tests launch each mechanism once; those marked slow (`pytest --all`) la
 and learn CartPole."""
 import ast
 import collections
+import hashlib
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import a3c_dist  # noqa: E402
 import common  # noqa: E402
 import processes  # noqa: E402
 import runs  # noqa: E402
-from conftest import BUDGET, free_port, hooked_env, our_lines  # noqa: E402
+from conftest import BUDGET, CUDA_STANDIN_HOOK, free_port, hooked_env, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
@@ -800,6 +801,67 @@ def test_a_seed_reproduces_the_play_process_of_dqn_mp_until_training_starts(tmp_
     assert rewards[0] != rewards[2]
 
 
+# ---------------------------------------------------------------- --cuda's lines, on the CPU stand-in
+# every process writes to $RL_TEST_ACTING/<its name> a digest of the weights it acts with at each acting
+# call (the net of a DQNAgent, or the one an A3C worker's acting function closes over); the process that
+# trains writes to $RL_TEST_ACTING/stepped one of its weights after each optimizer step
+ACTING_HOOK = """
+import hashlib, multiprocessing, os
+import torch
+import common
+def record(name, params):
+    with open(os.path.join(os.environ["RL_TEST_ACTING"], name), "a") as f:
+        f.write(hashlib.md5(b"".join(p.detach().cpu().numpy().tobytes() for p in params)).hexdigest() + "\\n")
+def acting_net(agent):
+    cells = [cell.cell_contents for cell in getattr(agent, "__closure__", None) or ()]
+    return next(obj for obj in [getattr(agent, "net", None), *cells] if isinstance(obj, torch.nn.Module))
+_init, _step = common.ExperienceSourceFirstLast.__init__, torch.optim.Adam.step
+def recording_init(self, env, agent, *args, **kwargs):
+    net = acting_net(agent)
+    def act(states):
+        record(multiprocessing.current_process().name, net.parameters())
+        return agent(states)
+    _init(self, env, act, *args, **kwargs)
+def recording_step(self, *args, **kwargs):
+    result = _step(self, *args, **kwargs)
+    record("stepped", (p for group in self.param_groups for p in group["params"]))
+    return result
+common.ExperienceSourceFirstLast.__init__, torch.optim.Adam.step = recording_init, recording_step
+"""
+
+
+@needs_proc
+@pytest.mark.parametrize("script, children", [("dqn_mp", ["play process"]), ("a3c_data", ["worker 0", "worker 1"])])
+def test_with_cuda_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_stand_in(script, children,
+                                                                                               tmp_path):
+    tag = uuid.uuid4().hex
+    (tmp_path / "acting").mkdir()
+    env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK + ACTING_HOOK, tagged_env(tag)),
+               RL_TEST_ACTING=str(tmp_path / "acting"))
+    code, out, err = run(script, "--cuda", "--env", "cartpole", "--max-frames", "1500" if script == "dqn_mp" else "3000",
+                         "--checkpoint-minutes", "0", *WORKERS.get(script, []), cwd=tmp_path, env=env)
+    assert code == 0, err
+    stepped = set((tmp_path / "acting" / "stepped").read_text().split())
+    assert len(stepped) > 10
+    for child in children:
+        acted = (tmp_path / "acting" / child).read_text().split()
+        # the weights it started with, then only weights that a step made, and many of them
+        assert set(acted[1:]) <= stepped | {acted[0]} and len(set(acted) & stepped) > 5, child
+    assert_none_left(tag)
+
+
+@pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_compile", "a3c_dist"])
+def test_with_cuda_a_single_process_script_runs_end_to_end_on_the_cpu_stand_in(script, tmp_path):
+    env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK), RL_TEST_EAGER="1")
+    args = ["--cuda", "--env", "cartpole", "--max-frames", "1300", "--checkpoint-minutes", "0"]
+    if script == "a3c_dist":   # one rank, as torchrun would start it, without its agent
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="1")
+    code, out, err = run(script, *args, cwd=tmp_path, env=env)
+    assert code == 0 and our_lines(err) == [], err
+    assert summary(out)["train_frames"] > 0
+
+
 # ---------------------------------------------------------------- dqn_mp: play at most one step ahead
 @needs_proc
 def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
@@ -819,12 +881,16 @@ def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
 
 # ---------------------------------------------------------------- a3c_grad's synchronous steps
 @needs_proc
-def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(tmp_path):
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda-on-the-cpu-stand-in"])
+def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(cuda, tmp_path):
+    # on the CPU the workers take their gradients with the main process's net itself; with --cuda (here
+    # its lines on the CPU) with copies of the weights that it publishes after each step
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir()
-    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK, tagged_env(tag)), RL_TEST_WEIGHTS=str(tmp_path / "weights"))
+    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK + (CUDA_STANDIN_HOOK if cuda else ""), tagged_env(tag)),
+               RL_TEST_WEIGHTS=str(tmp_path / "weights"))
     code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "2000",
-                       cwd=tmp_path, env=env)
+                       *(["--cuda"] if cuda else []), cwd=tmp_path, env=env)
     assert code == 0, err
     assert_steps_average_one_gradient_per_worker_at_their_weights(
         tmp_path / "weights", "MainProcess", [f"worker {i}" for i in range(3)])
@@ -1158,6 +1224,20 @@ def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_they_took_their_g
     # starts from the weights that every gradient was taken at, and moves them
     taken, stepped = digests["0"][0::2], digests["0"][1::2]
     assert len(stepped) > 10 and taken[:len(stepped)] == stepped and len(set(stepped)) == len(stepped)
+
+
+@needs_proc
+def test_a3c_dist_resumed_starts_every_rank_from_the_weights_in_rank_0s_checkpoint(tmp_path):
+    # every rank builds the same net from the run's seed: only the broadcasts give rank 1 the trained weights
+    # and Adam's state
+    proc = start_dist("--env", "cartpole", "--max-frames", "1000", cwd=tmp_path, ranks=2)
+    assert proc.communicate(timeout=120) and proc.returncode == 0
+    (folder,) = (tmp_path / "runs").iterdir()
+    saved = torch.load(folder / runs.CHECKPOINT, weights_only=True)["net"].values()   # parameters only, in order
+    digest = hashlib.md5(b"".join(tensor.numpy().tobytes() for tensor in saved)).hexdigest()
+    digests = dist_weights(tmp_path / "resumed", "--resume", str(folder), "--max-frames", "1500", ranks=2)
+    assert digests["0"][0] == digests["1"][0] == digest
+    assert digests["0"] == digests["1"] and len(digests["0"]) > 10   # and Adam's state: the steps keep them equal
 
 
 @needs_proc
