@@ -158,6 +158,11 @@ class ExperienceSourceFirstLast:
         self.frames = state["frames"]
 
 
+def digest(frame):
+    """128 bits of BLAKE2b: two different frames of a run share them with odds far below any hardware fault's."""
+    return hashlib.blake2b(frame, digest_size=16).digest()
+
+
 class FrameIndex:
     """Which slots of a store of frames the transitions of a ring are made of, each frame stored once: consecutive
     states share all frames but one, so a frame is found again by a 128-bit digest of its bytes, and its slot is
@@ -168,7 +173,8 @@ class FrameIndex:
         self.stacked = len(shape) == 3   # a stack of frames; a vector observation is one frame of its own
         self.frame_shape = shape[1:] if self.stacked else shape
         # a frame a transition, and room for those no transition starts with: the next frame of each truncated
-        # episode's last (one in 8 at most) and of each env's newest, and the older frames of each env's oldest
+        # episode's last transition (an eighth more: episodes of 8 steps and more) and of each env's newest, and
+        # the 3 older frames of each env's oldest (64: up to 16 envs)
         self.slots = capacity + capacity // 8 + 64
         # per ring position, its transition's slots: its state's frames, then its next state's newest
         self.rows = np.zeros((capacity, (shape[0] if self.stacked else 1) + 1), dtype=np.int64)
@@ -192,7 +198,8 @@ class FrameIndex:
             slot = self.slot_of.get(key)
             if slot is None:   # a frame not in the store
                 if not self.free:
-                    raise RuntimeError(f"the replay buffer's store of {self.slots} frames is full")
+                    raise RuntimeError(f"the replay buffer's store of {self.slots} frames is full: more than 16 "
+                                       "envs, or episodes truncated within 8 steps, need more (FrameIndex.slots)")
                 slot = self.slot_of[key] = self.free.pop()
                 self.digests[slot] = key
                 new.append((slot, frame))
@@ -209,10 +216,6 @@ class FrameIndex:
         self.digests = [digest(frames[slot]) if uses else None for slot, uses in enumerate(self.uses)]
         self.slot_of = {key: slot for slot, key in enumerate(self.digests) if key}
         self.free = [slot for slot in range(self.slots - 1, 0, -1) if not self.uses[slot]]   # pop() takes the lowest
-
-
-def digest(frame):
-    return hashlib.blake2b(frame, digest_size=16).digest()
 
 
 class ReplayBuffer:

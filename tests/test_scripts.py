@@ -832,8 +832,7 @@ common.ExperienceSourceFirstLast.__init__, torch.optim.Adam.step = recording_ini
 
 @needs_proc
 @pytest.mark.parametrize("script, children", [("dqn_mp", ["play process"]), ("a3c_data", ["worker 0", "worker 1"])])
-def test_with_cuda_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_stand_in(script, children,
-                                                                                               tmp_path):
+def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_stand_in(script, children, tmp_path):
     tag = uuid.uuid4().hex
     (tmp_path / "acting").mkdir()
     env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK + ACTING_HOOK, tagged_env(tag)),
@@ -851,7 +850,7 @@ def test_with_cuda_children_act_with_the_weights_the_main_process_publishes_on_t
 
 
 @pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_compile", "a3c_dist"])
-def test_with_cuda_a_single_process_script_runs_end_to_end_on_the_cpu_stand_in(script, tmp_path):
+def test_a_single_process_script_runs_its_gpu_lines_end_to_end_on_the_cpu_stand_in(script, tmp_path):
     env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK), RL_TEST_EAGER="1")
     args = ["--cuda", "--env", "cartpole", "--max-frames", "1300", "--checkpoint-minutes", "0"]
     if script == "a3c_dist":   # one rank, as torchrun would start it, without its agent
@@ -881,7 +880,7 @@ def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
 
 # ---------------------------------------------------------------- a3c_grad's synchronous steps
 @needs_proc
-@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda-on-the-cpu-stand-in"])
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu-lines-on-the-cpu-stand-in"])
 def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(cuda, tmp_path):
     # on the CPU the workers take their gradients with the main process's net itself; with --cuda (here
     # its lines on the CPU) with copies of the weights that it publishes after each step
