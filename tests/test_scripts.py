@@ -837,7 +837,7 @@ def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_sta
     (tmp_path / "acting").mkdir()
     env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK + ACTING_HOOK, tagged_env(tag)),
                RL_TEST_ACTING=str(tmp_path / "acting"))
-    code, out, err = run(script, "--cuda", "--env", "cartpole", "--max-frames", "1500" if script == "dqn_mp" else "3000",
+    code, out, err = run(script, "--cuda", "--env", "cartpole", "--max-frames", "1200" if script == "dqn_mp" else "2000",
                          "--checkpoint-minutes", "0", *WORKERS.get(script, []), cwd=tmp_path, env=env)
     assert code == 0, err
     stepped = set((tmp_path / "acting" / "stepped").read_text().split())
@@ -849,7 +849,7 @@ def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_sta
     assert_none_left(tag)
 
 
-@pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_compile", "a3c_dist"])
+@pytest.mark.parametrize("script", ["dqn_baseline", "dqn_compile", "a3c_dist"])   # dqn_fast's lines: dqn_baseline's
 def test_a_single_process_script_runs_its_gpu_lines_end_to_end_on_the_cpu_stand_in(script, tmp_path):
     env = dict(hooked_env(tmp_path, CUDA_STANDIN_HOOK), RL_TEST_EAGER="1")
     args = ["--cuda", "--env", "cartpole", "--max-frames", "1300", "--checkpoint-minutes", "0"]
@@ -1215,28 +1215,22 @@ def dist_weights(tmp_path, *args, ranks=3):
 
 
 @needs_proc
-def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_they_took_their_gradients_at(tmp_path):
-    digests = dist_weights(tmp_path, "--max-frames", "2000")
+def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_they_took_their_gradients_at_also_resumed(tmp_path):
+    digests = dist_weights(tmp_path, "--max-frames", "1500")
     assert sorted(digests) == ["0", "1", "2"]
     assert digests["0"] == digests["1"] == digests["2"]          # every rank, at every moment
     # each rank writes a digest as it takes a gradient, then one before the optimizer step: the step
     # starts from the weights that every gradient was taken at, and moves them
     taken, stepped = digests["0"][0::2], digests["0"][1::2]
     assert len(stepped) > 10 and taken[:len(stepped)] == stepped and len(set(stepped)) == len(stepped)
-
-
-@needs_proc
-def test_a3c_dist_resumed_starts_every_rank_from_the_weights_in_rank_0s_checkpoint(tmp_path):
-    # every rank builds the same net from the run's seed: only the broadcasts give rank 1 the trained weights
-    # and Adam's state
-    proc = start_dist("--env", "cartpole", "--max-frames", "1000", cwd=tmp_path, ranks=2)
-    assert proc.communicate(timeout=120) and proc.returncode == 0
+    # resumed: every rank builds the same net from the run's seed, so only the broadcasts give ranks 1
+    # and 2 rank 0's weights from the checkpoint, and its Adam state, which keeps their steps equal
     (folder,) = (tmp_path / "runs").iterdir()
     saved = torch.load(folder / runs.CHECKPOINT, weights_only=True)["net"].values()   # parameters only, in order
     digest = hashlib.md5(b"".join(tensor.numpy().tobytes() for tensor in saved)).hexdigest()
-    digests = dist_weights(tmp_path / "resumed", "--resume", str(folder), "--max-frames", "1500", ranks=2)
-    assert digests["0"][0] == digests["1"][0] == digest
-    assert digests["0"] == digests["1"] and len(digests["0"]) > 10   # and Adam's state: the steps keep them equal
+    resumed = dist_weights(tmp_path / "resumed", "--resume", str(folder), "--max-frames", "2100")
+    assert resumed["0"][0] == resumed["1"][0] == resumed["2"][0] == digest
+    assert resumed["0"] == resumed["1"] == resumed["2"] and len(resumed["0"]) > 6
 
 
 @needs_proc
