@@ -94,9 +94,11 @@ def data_func(params, args, weights, sample_slots, worker_id, *, send):
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
+    # on a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one launch, not tens
+    graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     env = common.make_fast_env(args.env, params.envs, threads=common.cores_per_process(params.processes))
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
+        env, lambda states: select_actions(graphed_net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * params.envs)
     micro_batch, frames_sent, slot = [], 0, 0
     for exps in exp_source:
@@ -131,6 +133,7 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
+    graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net   # as the workers'
     tracker = runs.RewardTracker(args, net, env)
     frames = 0   # played in all, over the whole run
 
@@ -163,7 +166,7 @@ if __name__ == "__main__":
             states, actions, ref_vals = (torch.cat(parts).to(device) for parts in zip(*batch))
             batch.clear()
             optimizer.zero_grad()
-            loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
+            loss_total, stats = calc_loss_a2c(graphed_net, states, actions, ref_vals, params.entropy_beta)
             loss_total.backward()
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)

@@ -92,8 +92,10 @@ def gradients(params, args, env, net, rank, device):
     """Play this rank's envs; for each batch, leave the gradient of its mean loss in net's grads and
     yield (samples, loss stats, frames played, finished episodes)."""
     torch.manual_seed(args.seed + rank)  # rank r plays as a3c_grad's worker r
+    # on a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one launch, not tens
+    graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
+        env, lambda states: select_actions(graphed_net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + rank * params.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
@@ -103,7 +105,7 @@ def gradients(params, args, env, net, rank, device):
         states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, device, params.gamma)
         micro_batch.clear()
         net.zero_grad()
-        loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
+        loss_total, stats = calc_loss_a2c(graphed_net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
         stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames

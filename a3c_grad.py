@@ -94,11 +94,13 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
+    # on a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one launch, not tens
+    graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     if args.cuda:
         processes.page_lock(grad_slots)  # for speed: its gradient is copied off the GPU into its slot every step
     env = common.make_fast_env(args.env, params.envs, threads=common.cores_per_process(params.processes))
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(net, states, device), params.gamma, params.reward_steps,
+        env, lambda states: select_actions(graphed_net, states, device), params.gamma, params.reward_steps,
         seed=args.seed + worker_id * params.envs)
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
@@ -113,7 +115,7 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
         if args.cuda:
             weights.refresh(net)  # to that step's weights
         net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
-        loss_total, stats = calc_loss_a2c(net, states, actions, ref_vals, params.entropy_beta)
+        loss_total, stats = calc_loss_a2c(graphed_net, states, actions, ref_vals, params.entropy_beta)
         loss_total.backward()
         grad_slots[worker_id].copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))  # no pickling
         stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all

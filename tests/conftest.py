@@ -83,8 +83,18 @@ torch.cuda.device_count = lambda: 1
 torch.cuda.set_device = lambda device: None
 torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
 torch.cuda.set_rng_state = lambda state, device="cuda": None
-if os.environ.get("RL_TEST_EAGER"):
-    torch.compile = lambda fn, **kwargs: fn
+_compile = torch.compile
+class StandInCompiled(torch.nn.Module):   # torch.compile's, traced and run as on a CPU, where it sees no GPU
+    def __init__(self, fn, **kwargs):
+        super().__init__()
+        self.compiled = _compile(fn, **kwargs)   # a module's parameters are this one's too
+    def forward(self, *args, **kwargs):
+        torch.cuda.is_available = lambda: False
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            torch.cuda.is_available = lambda: True
+torch.compile = (lambda fn, **kwargs: fn) if os.environ.get("RL_TEST_EAGER") else StandInCompiled
 import processes
 def page_lock(tensor):
     assert tensor.device.type == "cpu" and tensor.is_shared(), "page_lock takes a shared CPU tensor"
