@@ -247,8 +247,8 @@ class ReplayBuffer:
     def sample(self, batch_size):
         """Arrays (states, actions, rewards, dones, last_states) of batch_size random transitions."""
         idx = self.rng.integers(0, self.size, batch_size)
-        rows = self.index.rows[idx]   # a next state is its state's frames but the oldest, and its own newest
-        states, last_states = self.frames[rows[:, :-1]], self.frames[rows[:, 1:]]
+        frames = self.frames[self.index.rows[idx]]   # each row's frames, read once: its state's, its next state's newest
+        states, last_states = frames[:, :-1], frames[:, 1:]   # a next state is its state's frames but the oldest
         if not self.index.stacked:
             states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states

@@ -168,8 +168,8 @@ class DeviceReplayBuffer:
     def transitions(self, idx):
         """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
         gives them: a next state is its state's frames but the oldest, and its own newest."""
-        rows = self.rows[idx]
-        states, last_states = self.frames[rows[:, :-1]], self.frames[rows[:, 1:]]
+        frames = self.frames[self.rows[idx]]   # each row's frames, read once
+        states, last_states = frames[:, :-1], frames[:, 1:]
         if not self.index.stacked:
             states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
