@@ -426,28 +426,29 @@ def test_a3c_graphed_net_acts_and_takes_gradients_as_the_net_itself(device, bf16
     net = a3c_grad.A2C((4, 84, 84), 6, bf16).to(device)
     graphed_net = torch.compile(net, backend="cudagraphs")   # the scripts' line
     rng = np.random.default_rng(0)
-    for call, size in enumerate([32, 33, 39, 32, 33, 39]):
-        states = rng.integers(0, 256, (8, 4, 84, 84), dtype=np.uint8)
-        acted = []
-        for acting_net in [net, graphed_net]:
-            torch.manual_seed(call)
-            acted.append(a3c_grad.select_actions(acting_net, states, device))
-        np.testing.assert_array_equal(acted[1], acted[0])
-        batch = (torch.as_tensor(rng.integers(0, 256, (size, 4, 84, 84), dtype=np.uint8), device=device),
-                 torch.as_tensor(rng.integers(0, 6, size), device=device),
-                 torch.as_tensor(rng.normal(size=size).astype(np.float32), device=device))
-        grads, losses = [], []
-        for loss_net in [net, graphed_net]:
-            net.zero_grad()
-            loss_total, stats = a3c_grad.calc_loss_a2c(loss_net, *batch, 0.01)
-            loss_total.backward()
-            grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
-            losses.append(torch.stack(list(stats.values())))
-        torch.testing.assert_close(losses[1], losses[0])
-        torch.testing.assert_close(grads[1], grads[0])
-        with torch.no_grad():   # new weights, in place: the graphs read them where they are
-            for p in net.parameters():
-                p.add_(torch.randn_like(p), alpha=0.01)
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True):   # on a GPU, a convolution twice: the same sums
+        for call, size in enumerate([32, 33, 39, 32, 33, 39]):
+            states = rng.integers(0, 256, (8, 4, 84, 84), dtype=np.uint8)
+            acted = []
+            for acting_net in [net, graphed_net]:
+                torch.manual_seed(call)
+                acted.append(a3c_grad.select_actions(acting_net, states, device))
+            np.testing.assert_array_equal(acted[1], acted[0])
+            batch = (torch.as_tensor(rng.integers(0, 256, (size, 4, 84, 84), dtype=np.uint8), device=device),
+                     torch.as_tensor(rng.integers(0, 6, size), device=device),
+                     torch.as_tensor(rng.normal(size=size).astype(np.float32), device=device))
+            grads, losses = [], []
+            for loss_net in [net, graphed_net]:
+                net.zero_grad()
+                loss_total, stats = a3c_grad.calc_loss_a2c(loss_net, *batch, 0.01)
+                loss_total.backward()
+                grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+                losses.append(torch.stack(list(stats.values())))
+            torch.testing.assert_close(losses[1], losses[0])
+            torch.testing.assert_close(grads[1], grads[0])
+            with torch.no_grad():   # new weights, in place: the graphs read them where they are
+                for p in net.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
     if device.type == "cuda":   # every call replayed as a CUDA graph, none skipped (the CPU records none)
         assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
