@@ -61,9 +61,9 @@ def hooked_env(tmp_path, hook, env=None):
 
 
 # --cuda's lines on a CPU, for a test's processes: a "cuda" device is the CPU, there is one GPU, its
-# generator is torch's, page_lock checks that it is given a shared CPU tensor, and $RL_TEST_EAGER
-# leaves torch.compile out. What only a GPU runs stays untested here: CUDA graphs, page-locked and
-# non-blocking copies (docs/HOW.md)
+# generator is torch's, page_lock checks that it is given a shared CPU tensor, torch.compile traces
+# and runs as on a CPU (where it records no CUDA graph), and $RL_TEST_EAGER leaves it out. What only a
+# GPU runs stays untested here: CUDA graphs, page-locked and non-blocking copies (docs/HOW.md)
 CUDA_STANDIN_HOOK = """
 import os
 import torch
