@@ -1,5 +1,6 @@
 """play.py and plot.py on the runs that the scripts leave behind: a short CartPole run, a CartPole
 run trained until solved and a tiny Pong run (those two in the slow set)."""
+import glob
 import json
 import os
 import signal
@@ -183,6 +184,23 @@ def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
         greedy = net(torch.as_tensor(states)).argmax(dim=1).numpy()
     assert 0 < greedy.mean() < 1   # the trained net takes both actions: a constant agent fails here
     assert (agent(states) == greedy).all()
+
+
+@pytest.mark.parametrize("folder", sorted(os.path.basename(os.path.dirname(path)) for path in
+                                    glob.glob(os.path.join(REPO, "docs", "runs", "*", "best.pt"))))
+def test_each_committed_best_pt_plays_pong_with_todays_network(folder):
+    # the README's play.py commands: each committed agent rebuilt by today's script, playing a few hundred steps
+    checkpoint = play.load_checkpoint(os.path.join(REPO, "docs", "runs", folder))
+    agent = play.build_agent(checkpoint, torch.device("cpu"))   # ValueError where the weights no longer fit
+    env = common.make_python_env(checkpoint["env"])
+    states, _ = env.reset(seed=0)
+    torch.manual_seed(0)
+    actions = []
+    for _ in range(300):
+        actions.append(int(agent(states)[0]))
+        states, *_ = env.step([actions[-1]])
+    assert checkpoint["env"] == "pong" and len(set(actions)) > 1   # a trained agent moves its paddle both ways
+    env.close()
 
 
 @pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"])
