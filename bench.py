@@ -67,7 +67,9 @@ RULES = [
     ("transport", "a3c_dist.py", {"exchange"}),      # the gradient's all_reduce, the reports in its rows
 ]
 START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
-HELPERS = ["multiprocessing.resource_tracker", "torch.distributed.run", "compile_worker"]   # not the job's
+# not the job's: a module named in a helper's command line or in its 3 outermost frames, where it runs
+# after `python -c`, `python -m` or torchrun's launcher (the job calls into one only deeper: to start it)
+HELPER = re.compile(r"multiprocessing[./]resource_tracker|torch[./]distributed[./]run|compile_worker")
 CHILD_NAMES = {"dqn_mp": "play process", "a3c_data": "worker", "a3c_grad": "worker", "a3c_dist": "rank"}
 FRAME = re.compile(r"(?P<function>.*) \((?P<file>.*):\d+\)$")
 PROCESS = re.compile(r'process (?P<pid>\d+):"(?P<cmd>[^"]*)";')   # a command line may hold a ";"
@@ -91,8 +93,9 @@ def category(frames):
 
 def read_raw(lines):
     """py-spy's raw output (one stack a line: processes, thread, frames, then the sample count) as
-    {pid: (command line, parent pid, Counter of categories)}, main threads only, start-up left out."""
-    processes = {}
+    {pid: (parent pid, Counter of categories)}, main threads only, start-up left out, and helpers left
+    out: known by their command line or, as py-spy may read a command line as empty, by their frames."""
+    processes, helpers = {}, set()
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         chain, start = [], 0
@@ -103,28 +106,29 @@ def read_raw(lines):
         thread = THREAD.match(thread)
         if not chain or thread is None:
             continue
-        pid, cmd = int(chain[-1]["pid"]), chain[-1]["cmd"]
+        pid = int(chain[-1]["pid"])
         parent = int(chain[-2]["pid"]) if len(chain) > 1 else None
-        counts = processes.setdefault(pid, (cmd, parent, collections.Counter()))[2]
+        counts = processes.setdefault(pid, (parent, collections.Counter()))[1]
         frames = [(m["function"], m["file"]) for m in map(FRAME.match, parts) if m]
+        if HELPER.search(" ".join([chain[-1]["cmd"]] + [file for _, file in frames[:3]])):
+            helpers.add(pid)
         if int(thread["tid"]) != pid or any(START_UP in file for _, file in frames):
             continue   # not the main thread (on Linux its id is the pid), or an import
         counts[category(frames)] += int(count)
-    return processes
+    return {pid: entry for pid, entry in processes.items() if pid not in helpers}
 
 
 def label_processes(processes, child_name="child"):
-    """{label: Counter}: the job's processes, helpers left out: "main process", and its children
-    child_name 0, 1, ... in start order (child_name alone if there is one); under torchrun, whose
-    agent is a helper, the ranks, "rank 0", "rank 1", ... in start order."""
-    job = {pid: entry for pid, entry in sorted(processes.items())
-           if not any(helper in entry[0] for helper in HELPERS)}
+    """{label: Counter}: the job's processes: "main process", and its children child_name 0, 1, ...
+    in start order (child_name alone if there is one); under torchrun, whose agent is a helper, the
+    ranks, "rank 0", "rank 1", ... in start order."""
+    job = dict(sorted(processes.items()))
     labelled, children = {}, []
-    for _, parent, counts in job.values():
+    for parent, counts in job.values():
         if parent in job or child_name == "rank" and parent is not None:
             children.append(counts)
-        elif child_name != "rank":   # under torchrun the first process is the agent, whose command line
-            labelled["main process"] = counts   # py-spy may read as empty
+        else:
+            labelled["main process"] = counts
     if len(children) == 1 and child_name != "rank":
         return dict(labelled, **{child_name: children[0]})
     return dict(labelled, **{f"{child_name} {i}": counts for i, counts in enumerate(children)})

@@ -77,20 +77,26 @@ def raw_line(processes, tid, frames, count):
     return ";".join(chain + [thread] + [f"{f} ({file}:1)" for f, file in frames]) + f" {count}\n"
 
 
-def test_raw_output_is_read_per_process_main_thread_only_without_helpers_or_imports():
+# py-spy reads a process's command line once, and may read it as empty or, before the exec, as its parent's
+@pytest.mark.parametrize("tracker_cmd", ["python -c from multiprocessing.resource_tracker import main;main(5)",
+                                         "", "python dqn_mp.py"])
+def test_raw_output_is_read_per_process_main_thread_only_without_helpers_or_imports(tracker_cmd):
     main, child = (10, "python dqn_mp.py"), (12, "python -c from multiprocessing.spawn import spawn_main")
-    tracker = (11, "python -c from multiprocessing.resource_tracker import main;main(5)")
+    tracker = (11, tracker_cmd)
     lines = [
         raw_line([main], 10, [("<module>", "dqn_mp.py"), ("Adam.step", "torch/optim/adam.py")], 30),
+        raw_line([main], 10, [("<module>", "dqn_mp.py"), ("SharedWeights.__init__", "processes.py"),
+                              ("BaseContext.Value", "multiprocessing/context.py"), ("Value", "multiprocessing/sharedctypes.py"),
+                              ("ResourceTracker.ensure_running", "multiprocessing/resource_tracker.py")], 1),
         raw_line([main], 10, [("<module>", "dqn_mp.py"), ("ReplayBuffer.append", "common.py")], 10),
         raw_line([main], 10, [("<module>", "dqn_mp.py"), ("_find_and_load", "<frozen importlib._bootstrap>")], 99),
         raw_line([main], 13, [("SummaryWriter.flush", "tensorboard/writer.py")], 50),   # not the main thread
-        raw_line([main, tracker], 11, [("main", "multiprocessing/resource_tracker.py")], 70),
+        raw_line([main, tracker], 11, [("<module>", "<string>"), ("main", "multiprocessing/resource_tracker.py")], 70),
         raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("DQNAgent.__call__", "dqn_mp.py")], 20),
         raw_line([main, child], 12, [("play_func", "dqn_mp.py"), ("AtariVectorEnv.step", "ale_py/vector_env.py")], 5),
     ]
     labelled = bench.label_processes(bench.read_raw(lines), "play process")
-    assert labelled == {"main process": {"training": 30, "replay": 10},
+    assert labelled == {"main process": {"training": 30, "replay": 10, "other": 1},
                         "play process": {"acting": 20, "emulator": 5}}
 
 
