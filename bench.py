@@ -125,10 +125,10 @@ def label_processes(processes, child_name="child"):
     job = dict(sorted(processes.items()))
     labelled, children = {}, []
     for parent, counts in job.values():
-        if parent in job or child_name == "rank" and parent is not None:
-            children.append(counts)
-        else:
+        if parent is None:   # the process py-spy started; under torchrun the agent, left out as a helper
             labelled["main process"] = counts
+        else:
+            children.append(counts)
     if len(children) == 1 and child_name != "rank":
         return dict(labelled, **{child_name: children[0]})
     return dict(labelled, **{f"{child_name} {i}": counts for i, counts in enumerate(children)})
