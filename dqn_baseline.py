@@ -101,6 +101,7 @@ if __name__ == "__main__":
     agent = DQNAgent(net, epsilon_by_frame(params, 0), device)
     exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
     tracker = runs.RewardTracker(args, net, env)
+    health = common.NetworkHealth(net, buffer)   # are the ReLUs still firing
     train_steps = 0   # over the whole run: the target net syncs every target_sync of them
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
@@ -132,4 +133,5 @@ if __name__ == "__main__":
             tracker.record_step(loss=loss, epsilon=agent.epsilon)
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
+                tracker.record_health(health.measure())   # a forward pass of 256 states
     sys.exit(run.exit_code)

@@ -261,6 +261,7 @@ if __name__ == "__main__":
         env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
         params.gamma, seed=args.seed, overlap=overlap)
     tracker = runs.RewardTracker(args, net, env)
+    health = common.NetworkHealth(net, buffer)   # are the ReLUs still firing
     train_steps = 0   # over the whole run: the target net syncs every target_sync of them
 
     def checkpoint_contents():   # what a checkpoint holds, and --resume restores
@@ -288,4 +289,5 @@ if __name__ == "__main__":
             tracker.record_step(loss=loss, epsilon=epsilon)
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
+                tracker.record_health(health.measure())   # a forward pass of 256 states
     sys.exit(run.exit_code)

@@ -122,6 +122,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     tracker = runs.RewardTracker(args, net, env)
+    health = common.NetworkHealth(net, buffer)   # are the ReLUs still firing
     train_steps = 0   # over the whole run: the target net syncs every target_sync of them
     frames = 0   # the play process's count, which each message brings: a resumed one goes on from there
 
@@ -159,6 +160,7 @@ if __name__ == "__main__":
             tracker.record_step(loss=loss, epsilon=epsilon_by_frame(params, frames))   # the play process sets its own
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
+                tracker.record_health(health.measure())   # a forward pass of 256 states
             if args.cuda:
                 weights.publish(net)
     sys.exit(run.exit_code)

@@ -171,6 +171,7 @@ class RewardTracker:
         self.rewards, self.frames, self.episodes, self.steps = collections.deque(maxlen=100), 0, 0, 0
         self.losses = collections.deque(maxlen=100)   # the last 100 logged: train/avg_loss is their mean
         self.best_mean, self.solved, self.best_unwritten, self.training = None, False, False, False
+        self.warned_dead = False   # a dead layer is told once a segment
         self.seconds, self.train_frames, self.train_seconds = 0.0, 0, 0.0   # over every segment
         self.last_update = self.last_print = self.first_step = None
 
@@ -225,6 +226,19 @@ class RewardTracker:
             self.losses.append(loss.item() if torch.is_tensor(loss) else loss)
             for name, value in dict(loss=self.losses[-1], avg_loss=np.mean(self.losses), **scalars).items():
                 self.writer.add_scalar(f"train/{name}", value.item() if torch.is_tensor(value) else value, self.frames)
+
+    def record_health(self, health):
+        """Log common.NetworkHealth's scalars; the first time a layer is dead, say so in one line."""
+        for name, value in health.items():
+            self.writer.add_scalar(f"health/{name}", value, self.frames)
+        dead = [name.split("/")[0] for name, value in health.items()
+                if name.endswith("/active") and value < common.DEAD_ACTIVE_SHARE]
+        if dead and not self.warned_dead:
+            warn(self.args, f"at {self.frames} frames the network's {' and '.join(dead)} had under "
+                 f"{common.DEAD_ACTIVE_SHARE:.2%} of its outputs above zero: a dead layer gives every state "
+                 "nearly the same Q-values, and the run will not learn; stop it and start again with another "
+                 "--seed (docs/HOW.md, network health)")
+            self.warned_dead = True
 
     def save_best(self, mean):
         """best.pt: what rebuilds the net, the run's progress, the weights; a failed write, one line until one works."""

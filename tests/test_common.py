@@ -812,6 +812,87 @@ def test_tracker_writes_scalars_and_best_model(tmp_path, monkeypatch, capsys):
     assert summary["mean_reward"] == -20.0 and summary["solved"] is False
 
 
+# ---------------------------------------------------------------- NetworkHealth
+def buffer_of(states):
+    """A replay buffer holding one transition from each of these vector states."""
+    buffer = common.ReplayBuffer(len(states), gym.spaces.Box(-np.inf, np.inf, (2,), np.float32))
+    for state in states:
+        buffer.append(common.ExperienceFirstLast(np.array(state, np.float32), 0, 0.0, None, 1))
+    return buffer
+
+
+def test_health_counts_dead_units_active_outputs_and_the_q_spread_worked_out_by_hand():
+    # unit 1 is x, unit 2 is y, unit 3 is -x - y; on the states (1, 1) and (2, -1) unit 1 fires on both,
+    # unit 2 on the first, unit 3 on neither: 1 of 3 units dead, 3 of 6 outputs above zero. The output copies
+    # units 1 and 2: Q-values (1, 1) and (2, 0), each action's spread 0.5 (the population standard deviation)
+    net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]))
+        net[2].weight.copy_(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
+        net[0].bias.zero_()
+        net[2].bias.zero_()
+    health = common.NetworkHealth(net, buffer_of([(1, 1), (2, -1)]))
+    assert health.measure() == pytest.approx({"relu1/dead_units": 1 / 3, "relu1/active": 0.5, "q_spread": 0.5})
+
+
+def test_health_keeps_the_states_it_first_took_and_reads_a_convolutions_channel_as_one_unit():
+    # channel 1 fires at one pixel of one state, channel 2 nowhere: half the channels dead, 1 of 2 * 2 * 4
+    # outputs above zero; a buffer filled with other states afterwards changes nothing
+    conv = nn.Conv2d(1, 2, kernel_size=1)
+    with torch.no_grad():
+        conv.weight.copy_(torch.tensor([1.0, -1.0]).view(2, 1, 1, 1))
+        conv.bias.zero_()
+    net = nn.Sequential(nn.Unflatten(1, (1, 1, 2)), conv, nn.ReLU(), nn.Flatten(), nn.Linear(4, 1))
+    buffer = buffer_of([(0, 3), (0, 0)])
+    health = common.NetworkHealth(net, buffer)
+    expected = {"relu1/dead_units": 0.5, "relu1/active": 1 / 8}
+    assert {name: value for name, value in health.measure().items() if name != "q_spread"} == expected
+    buffer.append(common.ExperienceFirstLast(np.array([5, 5], np.float32), 0, 0.0, None, 1))
+    assert {name: value for name, value in health.measure().items() if name != "q_spread"} == expected
+
+
+def pong_buffer(states=300):
+    """A replay buffer of random play on Pong."""
+    env = common.make_python_env("pong")
+    buffer = common.ReplayBuffer(states, env.single_observation_space)
+    env.action_space.seed(0)
+    exp_source = common.ExperienceSourceFirstLast(env, lambda obs: env.action_space.sample(), 0.99, seed=0)
+    for exps in exp_source:
+        for exp in exps:
+            buffer.append(exp)
+        if len(buffer) == states:
+            return buffer
+
+
+def health_warnings(net, buffer, tmp_path, monkeypatch, capsys):
+    """What a run's tracker says of this net's health, measured twice on the buffer."""
+    monkeypatch.chdir(tmp_path)
+    health = common.NetworkHealth(net, buffer)
+    with a_run(fake_args()) as (tracker, run):
+        tracker.record_health(health.measure())
+        tracker.record_health(health.measure())
+    return [line for line in capsys.readouterr().err.splitlines() if "dead" in line]
+
+
+def test_a_network_whose_first_layer_fires_on_no_state_is_told_once(tmp_path, monkeypatch, capsys):
+    import dqn_baseline
+    net = dqn_baseline.DQN((4, 84, 84), 6)
+    with torch.no_grad():
+        net.body[0].bias.fill_(-100.0)
+    warnings = health_warnings(net, pong_buffer(), tmp_path, monkeypatch, capsys)
+    assert len(warnings) == 1 and "relu1 " in warnings[0] and "--seed" in warnings[0]
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "solved-best.pt"])
+def test_a_fresh_and_a_solved_pong_network_are_alive(trained, tmp_path, monkeypatch, capsys):
+    import dqn_fast
+    net = dqn_fast.DQN((4, 84, 84), 6)
+    if trained:   # the fp32 run of docs/RESULTS.md that solved Pong
+        best = os.path.join(os.path.dirname(__file__), "..", "docs", "runs", "dqn_fast-pong-20261203-052811")
+        net.load_state_dict(torch.load(os.path.join(best, "best.pt"), weights_only=True)["state_dict"])
+    assert health_warnings(net, pong_buffer(), tmp_path, monkeypatch, capsys) == []
+
+
 # ---------------------------------------------------------------- shared memory
 PARSER = runs.ArgumentParser(prog="test")
 SHARED_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
