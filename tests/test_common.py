@@ -655,6 +655,18 @@ def test_a_rank_other_than_0_writes_nothing_and_ends_with_its_own_line_and_code(
     assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
 
 
+@pytest.mark.parametrize("stop", [None, signal.SIGTERM], ids=["end", "sigterm"])
+def test_checkpoint_minutes_0_leaves_no_checkpoint_also_at_a_stop(stop, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with a_run(fake_args(checkpoint_minutes=0)) as (tracker, run):
+        update(tracker, run, 100, [(1.0, 10)])
+        monkeypatch.setattr(runs, "stop_signal", stop)
+        assert update(tracker, run, 200, [(2.0, 10)]) == (stop is not None)
+    assert run.exit_code == (143 if stop else 0)
+    assert sorted(os.listdir(tracker.args.folder))[0] == "best.pt"
+    assert not os.path.exists(os.path.join(tracker.args.folder, runs.CHECKPOINT))
+
+
 def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with a_run(fake_args()) as (tracker, run):

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -162,6 +163,27 @@ def test_play_plays_the_best_pt_of_every_kind_of_script(script, tmp_path_factory
     assert code == 0, err
     scores, result = scores_and_result(out)
     assert result["episodes"] == len(scores) == 2 and min(scores) >= 1
+
+
+class Endless(gym.Env):
+    """A game that gives 1 a step and never ends by itself; past 100 steps in all it fails the test."""
+    observation_space, action_space = gym.spaces.Box(0, 1, (2,)), gym.spaces.Discrete(2)
+    steps = 0
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        Endless.steps += 1
+        assert Endless.steps <= 100, "a truncated game went on"
+        return np.zeros(2, np.float32), 1.0, False, False, {}
+
+
+def test_play_ends_a_game_at_its_truncation(monkeypatch):
+    monkeypatch.setattr(Endless, "steps", 0)
+    env = gym.vector.SyncVectorEnv([lambda: gym.wrappers.TimeLimit(Endless(), max_episode_steps=7)])
+    assert play.play(env, lambda states: np.zeros(1, np.int64), episodes=3, seed=0) == [7.0, 7.0, 7.0]
 
 
 def test_play_stopped_by_ctrl_c_exits_with_code_130(short_run, tmp_path):
@@ -330,13 +352,14 @@ def test_plot_minutes_are_the_logged_run_minutes_where_a_run_has_them(logged, tm
         assert xs == sorted(xs) and 0 <= xs[0] and xs[-1] < 1   # written within a minute
 
 
-def test_plot_table_gives_the_first_game_at_or_past_each_mark_and_the_last(tmp_path, in_process):
+@pytest.mark.parametrize("marks", [["500k", "0.6M", "2M"], ["2M", "0.6M", "500k"]], ids=["in-order", "any-order"])
+def test_plot_table_gives_the_first_game_at_or_past_each_mark_and_the_last(marks, tmp_path, in_process):
     with SummaryWriter(str(tmp_path / "run")) as writer:   # games ending at 0.4M, 0.5M, 0.9M and 1.234M
         for frames, mean, minutes in [(400_000, -21.0, 10.0), (500_000, -20.5, 12.5), (900_000, -3.2, 20.0),
                                       (1_234_000, 18.004, 31.06)]:
             writer.add_scalar("episodes/avg_reward", mean, frames)
             writer.add_scalar("episodes/minutes", minutes, frames)
-    code, out, err = in_process("plot", str(tmp_path / "run"), "--table", "500k", "0.6M", "2M")
+    code, out, err = in_process("plot", str(tmp_path / "run"), "--table", *marks)
     assert code == 0 and err == "" and out == """| frames | 0.5M | 0.6M | 1.23M |
 |---|---:|---:|---:|
 | mean reward of the last 100 games | -20.5 | -3.2 | +18.00 |

@@ -131,6 +131,31 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_gener
     assert next_draws(buffer2) == expected
 
 
+def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_losses(tmp_path, monkeypatch):
+    # a first segment: 100 games of 10 make best.pt, two losses logged; the second: a worse window
+    # (mean 9.99) leaves best.pt as it was, and the loss logged next averages with the first two
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs, "LOG_EVERY", 1)
+    net = nn.Linear(4, 3)
+    tracker = runs.RewardTracker(fake_args(), net, fake_env())
+    with runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker)):
+        tracker.update(100, [(10.0, 5)] * 100)
+        for loss in (1.0, 3.0):
+            tracker.record_step(loss=loss)
+    folder = tracker.args.folder
+    best = (tmp_path / folder / "best.pt").read_bytes()
+    resumed = fake_args(resume=folder, segment=1)
+    tracker = runs.RewardTracker(resumed, net, fake_env())
+    runs.restore(folder, dict(net=net, tracker=tracker), torch.device("cpu"))
+    with torch.no_grad():
+        net.weight += 1   # a network best.pt must not take
+    with runs.Run(resumed, tracker, lambda: dict(net=net, tracker=tracker)):
+        tracker.update(200, [(9.0, 5)])
+        tracker.record_step(loss=5.0)
+    assert (tmp_path / folder / "best.pt").read_bytes() == best
+    assert scalars(tmp_path / folder)["train/avg_loss"] == [(100, 1.0), (100, 2.0), (200, 3.0)]
+
+
 def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer_each_frame_once(tmp_path):
     buffer = common.ReplayBuffer(1000, SPACE)   # a store of 1,189 frames of 7,056 bytes
     for exp in transitions(10, seed=0):       # 11 frames and the zeros, in the store's first slots
@@ -155,6 +180,41 @@ def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(devi
     idx = torch.arange(50, device=device)
     for a, b in zip(buffer.transitions(idx), restored.transitions(idx)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stored", [30, 81], ids=["filling", "wrapped"])
+@pytest.mark.parametrize("kind", ["ReplayBuffer", "DeviceReplayBuffer"])
+def test_a_restored_buffer_stores_new_frames_past_wraps_and_reads_what_a_buffer_never_stopped_reads(
+        kind, stored, tmp_path):
+    # transitions of 3 envs' steps into a ring of 50, saved, loaded and saved again byte for byte; then up to
+    # 200 (more wraps) into the restored buffer and one never stopped: every transition alike at each step
+    def make():
+        if kind == "ReplayBuffer":
+            return common.ReplayBuffer(50, SPACE)
+        return dqn_compile.DeviceReplayBuffer(50, SPACE, torch.device("cpu"))
+
+    def store(buffer, exps):
+        if kind == "ReplayBuffer":
+            for exp in exps:
+                buffer.append(exp)
+        else:
+            buffer.extend(exps)
+
+    played, never_stopped, saved = transitions(200, seed=0), make(), make()
+    for step in range(0, stored, 3):
+        store(never_stopped, played[step:step + 3])
+        store(saved, played[step:step + 3])
+    runs.save_whole(saved.state_dict(), str(tmp_path / "saved.pt"))
+    restored = make()
+    restored.load_state_dict(torch.load(tmp_path / "saved.pt", mmap=True, weights_only=True))
+    runs.save_whole(restored.state_dict(), str(tmp_path / "again.pt"))
+    assert (tmp_path / "saved.pt").read_bytes() == (tmp_path / "again.pt").read_bytes()
+    for step in range(stored, 200, 3):
+        store(never_stopped, played[step:step + 3])
+        store(restored, played[step:step + 3])
+        every = np.arange(len(restored))
+        for expected, got in zip(never_stopped.transitions(every), restored.transitions(every)):
+            assert np.array_equal(np.asarray(expected), np.asarray(got))
 
 
 def test_set_capturable_makes_a_restored_gpu_state_step_on_the_cpu():

@@ -222,6 +222,30 @@ def pong_transitions(steps):
     return played
 
 
+@pytest.mark.parametrize("module", DQN_MODULES)
+def test_a_dqn_training_step_feeds_both_networks_pong_frames_scaled_to_0_1(module):
+    # what the first layer of the net and of the target net sees, in a step on real Pong frames from the buffer
+    played = [exp for exps in pong_transitions(150) for exp in exps]
+    net = module.DQN((4, 84, 84), 6)
+    tgt_net = copy.deepcopy(net)
+    seen = []
+    for first_layer in (net.body[0], tgt_net.body[0]):
+        first_layer.register_forward_pre_hook(lambda layer, args: seen.append(args[0].detach()))
+    if module is dqn_compile:
+        buffer = dqn_compile.DeviceReplayBuffer(1000, common.make_fast_env("pong").single_observation_space,
+                                                torch.device("cpu"))
+        buffer.extend(played)
+        dqn_compile.train_step(buffer, net, tgt_net, torch.optim.Adam(net.parameters()), 64, GAMMA)
+    else:
+        buffer = common.ReplayBuffer(1000, common.make_fast_env("pong").single_observation_space, seed=0)
+        for exp in played:
+            buffer.append(exp)
+        module.calc_loss_dqn(buffer.sample(64), net, tgt_net, GAMMA, "cpu")
+    assert len(seen) == 2
+    for inputs in seen:
+        assert inputs.dtype == torch.float32 and inputs.min() >= 0 and 0.5 < inputs.max() <= 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dqn_compile_device_buffer_gives_the_replay_buffers_samples_for_the_same_indices(device):
     # a ring of 500 that wraps 4 times over 1,100 steps of 2 envs, an episode's end included

@@ -127,21 +127,6 @@ torch.nn.Conv2d.forward = recording_forward
 # the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
 # every other Python process of the run (the play process, multiprocessing's resource tracker)
 # runs this hook too, and must not overwrite it
-SAMPLES_HOOK = '''
-import atexit, os
-import common
-_sample, drawn = common.ReplayBuffer.sample, []
-def counting_sample(self, batch_size):
-    drawn.append(batch_size)
-    return _sample(self, batch_size)
-def write_total():
-    if drawn:
-        with open(os.environ["RL_TEST_SAMPLES"], "w") as f:
-            f.write(str(sum(drawn)))
-common.ReplayBuffer.sample = counting_sample
-atexit.register(write_total)
-'''
-
 # a DQN script's replay warm-up is $RL_TEST_REPLAY_START frames, not Pong's 10,000
 SHORT_WARM_UP_HOOK = """
 import os
@@ -761,17 +746,17 @@ def test_learns_cartpole_with_cuda_within_budget(script, tmp_path):
     assert summary(out)["solved"]
 
 
-@slow
-@pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3)])
+@pytest.mark.parametrize("script, envs", [("dqn_baseline", 1), ("dqn_fast", 3), ("dqn_mp", 3), ("dqn_compile", 3)])
 def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
-    args = ["--env", "cartpole", "--max-frames", "3000"] + (["--envs", str(envs)] if envs > 1 else [])
-    env = dict(hooked_env(tmp_path, SAMPLES_HOOK), RL_TEST_SAMPLES=str(tmp_path / "samples"))
+    args = ["--env", "cartpole", "--max-frames", "1600"] + (["--envs", str(envs)] if envs > 1 else [])
+    hook = open(os.path.join(REPO, "tests", "hooks", "count_samples.py")).read()
+    env = dict(hooked_env(tmp_path, hook), RL_TEST_SAMPLES=str(tmp_path / "samples"))
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
     (run_dir,) = (tmp_path / "runs").iterdir()
     result, steps = summary(out), torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["train_steps"]
     samples = int((tmp_path / "samples").read_text())
-    assert samples == 32 * envs * steps           # every training step draws 32 * envs samples
+    assert samples == 32 * envs * steps           # every training step's loss is on 32 * envs samples
     # and comes with one step of all envs: envs frames, less the slots that only reset an env
     # (at most one per finished episode)
     assert envs * steps - result["episodes"] - envs <= result["train_frames"] <= envs * steps
@@ -905,6 +890,24 @@ def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weigh
     assert_steps_average_one_gradient_per_worker_at_their_weights(
         tmp_path / "weights", "MainProcess", [f"worker {i}" for i in range(3)])
     assert_none_left(tag)
+
+
+def test_a3c_data_trains_on_the_states_its_worker_sent_though_it_has_refilled_the_slot_since(tmp_path):
+    hook = open(os.path.join(REPO, "tests", "hooks", "a3c_data_batches.py")).read()
+    env = dict(hooked_env(tmp_path, hook), RL_TEST_BATCHES=str(tmp_path / "batches"))
+    code, _, err = run("a3c_data", "--env", "cartpole", "--processes", "1", "--max-frames", "2000",
+                       "--checkpoint-minutes", "0", cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert int((tmp_path / "batches").read_text()) >= 10
+
+
+def test_a3c_grad_weights_each_gradient_by_its_own_workers_samples_whatever_order_they_came_in(tmp_path):
+    hook = open(os.path.join(REPO, "tests", "hooks", "a3c_grad_weights.py")).read()
+    env = dict(hooked_env(tmp_path, hook), RL_TEST_STEPS=str(tmp_path / "steps"))
+    code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "2000",
+                       "--checkpoint-minutes", "0", cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert int((tmp_path / "steps").read_text()) >= 10
 
 
 @slow
