@@ -1116,6 +1116,25 @@ def start_dist(*args, cwd, env=None, ranks=3):
                             start_new_session=True)
 
 
+@needs_proc
+def test_a3c_dist_counts_every_ranks_frames_and_each_game_once_and_stops_at_the_total(tmp_path):
+    # the last report of each rank came with the step that stopped the run: the run counted those before it
+    (tmp_path / "reports").mkdir()
+    env = dict(hooked_env(tmp_path, open(os.path.join(REPO, "tests", "hooks", "rank_reports.py")).read()),
+               RL_TEST_REPORTS=str(tmp_path / "reports"))
+    proc = start_dist("--env", "cartpole", "--max-frames", "1500", "--checkpoint-minutes", "0", cwd=tmp_path,
+                      env=env, ranks=2)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    reports = {path.name: [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+               for path in (tmp_path / "reports").iterdir()}
+    assert sorted(reports) == ["0", "1"] and len({len(lines) for lines in reports.values()}) == 1
+    counted = [sum(lines[step][0] for lines in reports.values()) for step in range(len(reports["0"]) - 1)]
+    result = summary(out)
+    assert result["frames"] == counted[-1] and counted[-2] < 1500 <= counted[-1]
+    assert result["episodes"] == sum(games for lines in reports.values() for _, games in lines[:-1]) > 20
+
+
 @slow
 @needs_proc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
