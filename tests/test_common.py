@@ -863,16 +863,17 @@ def test_health_keeps_the_states_it_first_took_and_reads_a_convolutions_channel_
     assert {name: value for name, value in health.measure().items() if name != "q_spread"} == expected
 
 
-def pong_buffer(states=300):
-    """A replay buffer of random play on Pong."""
+@pytest.fixture(scope="module")
+def pong_buffer():
+    """A replay buffer of 300 transitions of random play on Pong."""
     env = common.make_python_env("pong")
-    buffer = common.ReplayBuffer(states, env.single_observation_space)
+    buffer = common.ReplayBuffer(300, env.single_observation_space)
     env.action_space.seed(0)
     exp_source = common.ExperienceSourceFirstLast(env, lambda obs: env.action_space.sample(), 0.99, seed=0)
     for exps in exp_source:
         for exp in exps:
             buffer.append(exp)
-        if len(buffer) == states:
+        if len(buffer) == 300:
             return buffer
 
 
@@ -886,23 +887,23 @@ def health_warnings(net, buffer, tmp_path, monkeypatch, capsys):
     return [line for line in capsys.readouterr().err.splitlines() if "dead" in line]
 
 
-def test_a_network_whose_first_layer_fires_on_no_state_is_told_once(tmp_path, monkeypatch, capsys):
+def test_a_network_whose_first_layer_fires_on_no_state_is_told_once(pong_buffer, tmp_path, monkeypatch, capsys):
     import dqn_baseline
     net = dqn_baseline.DQN((4, 84, 84), 6)
     with torch.no_grad():
         net.body[0].bias.fill_(-100.0)
-    warnings = health_warnings(net, pong_buffer(), tmp_path, monkeypatch, capsys)
+    warnings = health_warnings(net, pong_buffer, tmp_path, monkeypatch, capsys)
     assert len(warnings) == 1 and "relu1 " in warnings[0] and "--seed" in warnings[0]
 
 
 @pytest.mark.parametrize("trained", [False, True], ids=["fresh", "solved-best.pt"])
-def test_a_fresh_and_a_solved_pong_network_are_alive(trained, tmp_path, monkeypatch, capsys):
+def test_a_fresh_and_a_solved_pong_network_are_alive(trained, pong_buffer, tmp_path, monkeypatch, capsys):
     import dqn_fast
     net = dqn_fast.DQN((4, 84, 84), 6)
     if trained:   # the fp32 run of docs/RESULTS.md that solved Pong
         best = os.path.join(os.path.dirname(__file__), "..", "docs", "runs", "dqn_fast-pong-20261203-052811")
         net.load_state_dict(torch.load(os.path.join(best, "best.pt"), weights_only=True)["state_dict"])
-    assert health_warnings(net, pong_buffer(), tmp_path, monkeypatch, capsys) == []
+    assert health_warnings(net, pong_buffer, tmp_path, monkeypatch, capsys) == []
 
 
 # ---------------------------------------------------------------- shared memory

@@ -879,16 +879,19 @@ def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
 @pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu-lines-on-the-cpu-stand-in"])
 def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weights_they_update(cuda, tmp_path):
     # on the CPU the workers take their gradients with the main process's net itself; with --cuda (here
-    # its lines on the CPU) with copies of the weights that it publishes after each step
+    # its lines on the CPU) with copies of the weights that it publishes after each step. Each gradient is
+    # weighted by its own worker's samples, however many each has and whatever the order they came in
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir()
-    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK + (CUDA_STANDIN_HOOK if cuda else ""), tagged_env(tag)),
-               RL_TEST_WEIGHTS=str(tmp_path / "weights"))
+    weighting = open(os.path.join(REPO, "tests", "hooks", "a3c_grad_weights.py")).read()
+    env = dict(hooked_env(tmp_path, WEIGHTS_HOOK + weighting + (CUDA_STANDIN_HOOK if cuda else ""), tagged_env(tag)),
+               RL_TEST_WEIGHTS=str(tmp_path / "weights"), RL_TEST_STEPS=str(tmp_path / "steps"))
     code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "2000",
                        *(["--cuda"] if cuda else []), cwd=tmp_path, env=env)
     assert code == 0, err
     assert_steps_average_one_gradient_per_worker_at_their_weights(
         tmp_path / "weights", "MainProcess", [f"worker {i}" for i in range(3)])
+    assert int((tmp_path / "steps").read_text()) >= 10
     assert_none_left(tag)
 
 
@@ -899,15 +902,6 @@ def test_a3c_data_trains_on_the_states_its_worker_sent_though_it_has_refilled_th
                        "--checkpoint-minutes", "0", cwd=tmp_path, env=env)
     assert code == 0, err
     assert int((tmp_path / "batches").read_text()) >= 10
-
-
-def test_a3c_grad_weights_each_gradient_by_its_own_workers_samples_whatever_order_they_came_in(tmp_path):
-    hook = open(os.path.join(REPO, "tests", "hooks", "a3c_grad_weights.py")).read()
-    env = dict(hooked_env(tmp_path, hook), RL_TEST_STEPS=str(tmp_path / "steps"))
-    code, _, err = run("a3c_grad", "--env", "cartpole", "--processes", "3", "--max-frames", "2000",
-                       "--checkpoint-minutes", "0", cwd=tmp_path, env=env)
-    assert code == 0, err
-    assert int((tmp_path / "steps").read_text()) >= 10
 
 
 @slow
