@@ -222,10 +222,15 @@ def pong_transitions(steps):
     return played
 
 
+@pytest.fixture(scope="module")
+def pong_played():
+    """The one-step experiences of 150 steps of 2 Pong envs under random actions."""
+    return [exp for exps in pong_transitions(150) for exp in exps]
+
+
 @pytest.mark.parametrize("module", DQN_MODULES)
-def test_a_dqn_training_step_feeds_both_networks_pong_frames_scaled_to_0_1(module):
+def test_a_dqn_training_step_feeds_both_networks_pong_frames_scaled_to_0_1(module, pong_played):
     # what the first layer of the net and of the target net sees, in a step on real Pong frames from the buffer
-    played = [exp for exps in pong_transitions(150) for exp in exps]
     net = module.DQN((4, 84, 84), 6)
     tgt_net = copy.deepcopy(net)
     seen = []
@@ -234,11 +239,11 @@ def test_a_dqn_training_step_feeds_both_networks_pong_frames_scaled_to_0_1(modul
     if module is dqn_compile:
         buffer = dqn_compile.DeviceReplayBuffer(1000, common.make_fast_env("pong").single_observation_space,
                                                 torch.device("cpu"))
-        buffer.extend(played)
+        buffer.extend(pong_played)
         dqn_compile.train_step(buffer, net, tgt_net, torch.optim.Adam(net.parameters()), 64, GAMMA)
     else:
         buffer = common.ReplayBuffer(1000, common.make_fast_env("pong").single_observation_space, seed=0)
-        for exp in played:
+        for exp in pong_played:
             buffer.append(exp)
         module.calc_loss_dqn(buffer.sample(64), net, tgt_net, GAMMA, "cpu")
     assert len(seen) == 2

@@ -698,8 +698,8 @@ def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
 
 @pytest.mark.parametrize("script", slow_but("dqn_baseline", DQN_SCRIPTS))
 def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once_and_logs_its_health(script, tmp_path):
-    # CartPole trains from 1,000 frames and measures the health every 200 steps: from 2,000 frames on,
-    # with 3 envs a step, at least one measure, with 1 env four
+    # CartPole trains from 1,000 frames and measures the health every 200 steps: to 2,000 frames, five
+    # measures with one env, one with three envs a step
     hook = open(os.path.join(REPO, "tests", "hooks", "first_layer_dead.py")).read()
     code, out, err = run(script, "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0",
                          cwd=tmp_path, env=hooked_env(tmp_path, hook))
