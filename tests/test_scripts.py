@@ -688,8 +688,10 @@ def test_learns_cartpole_with_bf16_within_budget(script, bf16_solve):
     assert our_lines(err) == err.splitlines()   # no library's warnings
 
 
-# CartPole to 1,400 frames measures a fresh network's health once (at the 200th step): alive, it is not told
-@pytest.mark.parametrize("env, frames", slow_but(("cartpole", "1400"), [("cartpole", "1400"), ("pong", "300")]))
+# CartPole to 1,400 frames measures a fresh network's health once (at the 200th step): alive, it is not told.
+# The fast tests see each DQN script's stderr empty in test_dqn_trains_32_samples_per_frame
+@slow
+@pytest.mark.parametrize("env, frames", [("cartpole", "1400"), ("pong", "300")])
 def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
     # torch warned of a loss read while in its graph; ALE printed its banner for each Python Atari env
     code, out, err = run("dqn_baseline", "--env", env, "--max-frames", frames, cwd=tmp_path)
@@ -752,7 +754,7 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     hook = open(os.path.join(REPO, "tests", "hooks", "count_samples.py")).read()
     env = dict(hooked_env(tmp_path, hook), RL_TEST_SAMPLES=str(tmp_path / "samples"))
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
-    assert code == 0, err
+    assert code == 0 and err == ""   # nor a library's warning, nor one of a dead network: it measured a live one
     (run_dir,) = (tmp_path / "runs").iterdir()
     result, steps = summary(out), torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["train_steps"]
     samples = int((tmp_path / "samples").read_text())
