@@ -2,6 +2,7 @@
 """A3C on Pong, gradient parallel across machines, in synchronous steps: torchrun starts the ranks,
 every rank plays and computes a gradient, one all_reduce sums them, and every rank takes the same
 optimizer step. How to start it on one machine or several, and what crosses: docs/HOW.md."""
+
 import argparse
 import datetime
 import os
@@ -22,15 +23,15 @@ PONG = dict(
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
-    reward_steps=4,           # n of the n-step reference values
-    clip_grad=0.1,            # max L2 norm of the gradient
-    envs=8,                   # envs per rank
-    micro_batch=32,           # samples per rank gradient: 4 x 32 = 128 per step, as in a3c_data
+    reward_steps=4,  # n of the n-step reference values
+    clip_grad=0.1,  # max L2 norm of the gradient
+    envs=8,  # envs per rank
+    micro_batch=32,  # samples per rank gradient: 4 x 32 = 128 per step, as in a3c_data
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
-TIMEOUT = datetime.timedelta(seconds=60)   # a collective that waits longer for a rank ends the run
-MAX_EPISODES = 32             # finished episodes a rank reports per step; more wait for the next
+TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer for a rank ends the run
+MAX_EPISODES = 32  # finished episodes a rank reports per step; more wait for the next
 
 
 # ---------------------------------------------------------------- network, agent, loss
@@ -40,13 +41,18 @@ class A2C(nn.Module):
 
     def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
-        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layers in fp32
+        # In mixed precision, the hidden layers compute in bfloat16 and the output layers in fp32.
+        self.bf16 = bf16
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
-                nn.Flatten())
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1),
+                nn.ReLU(),
+                nn.Flatten(),
+            )
             hidden = 512
         else:
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
@@ -58,7 +64,7 @@ class A2C(nn.Module):
 
     def forward(self, x):
         """Policy logits [batch, n_actions] and state values [batch], in fp32."""
-        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        x = x.float() / 255 if x.dtype == torch.uint8 else x  # frames stay uint8 until here
         # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             features = self.body(x)
@@ -75,7 +81,8 @@ def select_actions(net, states, device):
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
-    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its parts."""
+    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its
+    parts."""
     logits, values = net(states)
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
@@ -83,8 +90,14 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     loss_policy = -(adv * log_probs.gather(1, actions.unsqueeze(-1)).squeeze(-1)).mean()
     loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
     loss_total = loss_policy + loss_value + loss_entropy
-    stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
-             "loss_policy": loss_policy, "loss_value": loss_value, "loss_total": loss_total}
+    stats = {
+        "advantage": adv.mean(),
+        "values": values.mean(),
+        "loss_entropy": loss_entropy,
+        "loss_policy": loss_policy,
+        "loss_value": loss_value,
+        "loss_total": loss_total,
+    }
     return loss_total, stats
 
 
@@ -92,11 +105,16 @@ def gradients(params, args, env, net, rank, device):
     """Play this rank's envs; for each batch, leave the gradient of its mean loss in net's grads and
     yield (samples, loss stats, frames played, finished episodes)."""
     torch.manual_seed(args.seed + rank)  # rank r plays as a3c_grad's worker r
-    # on a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one launch, not tens
+    # On a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one
+    # launch, not tens.
     graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(graphed_net, states, device), params.gamma, params.reward_steps,
-        seed=args.seed + rank * params.envs)
+        env,
+        lambda states: select_actions(graphed_net, states, device),
+        params.gamma,
+        params.reward_steps,
+        seed=args.seed + rank * params.envs,
+    )
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
@@ -105,7 +123,9 @@ def gradients(params, args, env, net, rank, device):
         states, actions, ref_vals = common.unpack_batch_a2c(micro_batch, net, device, params.gamma)
         micro_batch.clear()
         net.zero_grad()
-        loss_total, stats = calc_loss_a2c(graphed_net, states, actions, ref_vals, params.entropy_beta)
+        loss_total, stats = calc_loss_a2c(
+            graphed_net, states, actions, ref_vals, params.entropy_beta
+        )
         loss_total.backward()
         stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
@@ -121,46 +141,64 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all the samples."""
-    return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
-            for name in stats_list[0]}
+    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all
+    the samples."""
+    return {
+        name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
+        for name in stats_list[0]
+    }
 
 
 def exchange(grads, samples, stats, frames, episodes, stop):
-    """The sum of grads over every rank, and every rank's report of the rest in rank order: a second, small
-    all_reduce sums the reports, each in a row of its own, zeros in the others'. A rank that is gone, or
-    silent for TIMEOUT, ends the run."""
+    """The sum of grads over every rank, and every rank's report of the rest in rank order: a
+    second, small all_reduce sums the reports, each in a row of its own, zeros in the others'. A
+    rank that is gone, or silent for TIMEOUT, ends the run."""
     row = [samples, frames, stop, *stats.values(), *(x for episode in episodes for x in episode)]
     rows = torch.zeros(dist.get_world_size(), 3 + len(stats) + 2 * MAX_EPISODES)
-    rows[dist.get_rank(), :len(row)] = torch.tensor(row)
+    rows[dist.get_rank(), : len(row)] = torch.tensor(row)
     try:
         dist.all_reduce(grads)
         dist.all_reduce(rows)
-    except RuntimeError as error:  # how gloo reports a lost rank: its first line says why, the rest is C++ frames
+    except RuntimeError as error:
+        # This is how gloo reports a lost rank: its first line says why, the rest is C++ frames.
         raise runs.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
     reports = []
     for rank_samples, rank_frames, rank_stop, *rest in rows.tolist():
-        values, flat = rest[:len(stats)], rest[len(stats):]
-        rank_episodes = [(reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps]  # 0 steps: empty
-        reports.append((int(rank_samples), dict(zip(stats, values)), int(rank_frames), rank_episodes, bool(rank_stop)))
+        values, flat = rest[: len(stats)], rest[len(stats) :]
+        # A pair of 0 steps is the row's empty padding.
+        rank_episodes = [
+            (reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps
+        ]
+        reports.append(
+            (
+                int(rank_samples),
+                dict(zip(stats, values)),
+                int(rank_frames),
+                rank_episodes,
+                bool(rank_stop),
+            )
+        )
     return grads, reports
 
 
 def rank0_options(parser, args, params):
-    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads a resumed run's checkpoint
-    (other machines cannot see its folder), which must have as many ranks."""
+    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads a resumed run's
+    checkpoint (other machines cannot see its folder), which must have as many ranks."""
     options = [vars(args), vars(params)]
     dist.broadcast_object_list(options, src=0)
     args, world_size = argparse.Namespace(**options[0]), dist.get_world_size()
     if getattr(args, "world_size", world_size) != world_size:
-        parser.error(f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}")
+        parser.error(
+            f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}"
+        )
     args.world_size = world_size
     return args, argparse.Namespace(**options[1])
 
 
 class SilentTracker:
     """RewardTracker's stand-in on a rank other than 0, which records nothing."""
-    frames = seconds = 0   # what Run reads of it
+
+    frames = seconds = 0  # what Run reads of it
 
     def update(self, frames, episodes):
         pass
@@ -170,15 +208,18 @@ class SilentTracker:
 
 
 def share_weights(net, optimizer):
-    """Rank 0's weights and Adam state (a resumed run's), on every rank; as CPU tensors, as gloo carries them."""
+    """Rank 0's weights and Adam state (a resumed run's), on every rank; as CPU tensors, as gloo
+    carries them."""
     weights = torch.nn.utils.parameters_to_vector(net.parameters()).cpu()
     dist.broadcast(weights, src=0)
     torch.nn.utils.vector_to_parameters(weights.to(next(net.parameters()).device), net.parameters())
     state = optimizer.state_dict()
-    state["state"] = {i: {name: value.cpu() for name, value in s.items()} for i, s in state["state"].items()}
+    state["state"] = {
+        i: {name: value.cpu() for name, value in s.items()} for i, s in state["state"].items()
+    }
     shared = [state]
     dist.broadcast_object_list(shared, src=0)
-    optimizer.load_state_dict(shared[0])   # its tensors go to the parameters' device
+    optimizer.load_state_dict(shared[0])  # its tensors go to the parameters' device
 
 
 if __name__ == "__main__":
@@ -188,40 +229,57 @@ if __name__ == "__main__":
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     if "RANK" not in os.environ:
-        parser.error("start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py")
-    if args.cuda:  # the GPU that LOCAL_RANK picks on this machine (RANK numbers ranks across machines)
+        parser.error(
+            "start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py"
+        )
+    # LOCAL_RANK picks the GPU on this machine (RANK numbers the ranks across machines).
+    if args.cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)  # where calls that take the current device land
-    torch.set_num_threads(1)  # the network on one thread; the envs step on the rank's share of the cores
-    dist.init_process_group("gloo", timeout=TIMEOUT)  # carries CPU tensors, between GPU machines too
+    # The network runs on one thread; the envs step on the rank's share of the cores.
+    torch.set_num_threads(1)
+    # Gloo carries CPU tensors, between GPU machines too.
+    dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
-    args, params = rank0_options(parser, args, params)   # a resumed run's: only rank 0 reads its checkpoint
-    env = common.make_fast_env(args.env, params.envs,   # the ranks on this machine share its cores
-                               threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])))
+    # A resumed run's options come from rank 0, the only rank that reads its checkpoint.
+    args, params = rank0_options(parser, args, params)
+    env = common.make_fast_env(
+        args.env,
+        params.envs,  # the ranks on this machine share its cores
+        threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])),
+    )
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
-    lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5   # by the batch's square root
+    # The learning rate is scaled by the batch's square root.
+    lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
-    tracker = runs.RewardTracker(args, net, env) if rank == 0 else SilentTracker()   # rank 0 records the run
-    frames = 0   # played in all, over the whole run
+    # Rank 0 records the run.
+    tracker = runs.RewardTracker(args, net, env) if rank == 0 else SilentTracker()
+    frames = 0  # played in all, over the whole run
 
-    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
 
-    if args.resume and rank == 0:   # go on where the stopped run was: rank 0 reads the checkpoint
+    if args.resume and rank == 0:  # go on where the stopped run was: rank 0 reads the checkpoint
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         frames = counters["frames"]
-    share_weights(net, optimizer)   # every rank starts from rank 0's
+    share_weights(net, optimizer)  # every rank starts from rank 0's
     episodes, stop = [], False
 
     with runs.Run(args, tracker, checkpoint_contents, rank) as run:
-        for samples, stats, new_frames, new_episodes in gradients(params, args, env, net, rank, device):
+        for samples, stats, new_frames, new_episodes in gradients(
+            params, args, env, net, rank, device
+        ):
             episodes += new_episodes
-            # every rank sums every rank's gradient and applies the same step: the weights stay equal
-            grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples   # gloo: CPU tensors
-            grads, reports = exchange(grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop)
+            # Every rank sums every rank's gradient and applies the same step: the weights stay
+            # equal. The gradient goes to the CPU, as gloo carries CPU tensors.
+            grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples
+            grads, reports = exchange(
+                grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop
+            )
             del episodes[:MAX_EPISODES]
             samples_list, stats_list, frames_list, finished, stops = zip(*reports)
-            if stops[0]:  # rank 0 decided to stop a step ago: every rank stops here, at the same step
+            # Rank 0 decided to stop a step ago: every rank stops here, at the same step.
+            if stops[0]:
                 break
             frames += sum(frames_list)
             tracker.update(frames, sum(finished, []))

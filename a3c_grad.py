@@ -2,6 +2,7 @@
 """A3C on Pong, gradient parallel, in synchronous steps: each worker computes a gradient on its own
 samples, the main process averages one from each worker into one optimizer step, and every worker
 waits for that step before its next gradient. What crosses, and what waits for what: docs/HOW.md."""
+
 import multiprocessing
 import sys
 
@@ -21,11 +22,11 @@ PONG = dict(
     learning_rate=3e-3,
     adam_eps=1e-3,
     entropy_beta=0.01,
-    reward_steps=4,           # n of the n-step reference values
-    clip_grad=0.1,            # max L2 norm of the gradient
-    processes=4,              # worker processes
-    envs=8,                   # envs per worker
-    micro_batch=32,           # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
+    reward_steps=4,  # n of the n-step reference values
+    clip_grad=0.1,  # max L2 norm of the gradient
+    processes=4,  # worker processes
+    envs=8,  # envs per worker
+    micro_batch=32,  # samples per worker gradient: 4 x 32 = 128 per step, as in a3c_data
 )
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
@@ -38,13 +39,18 @@ class A2C(nn.Module):
 
     def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
-        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layers in fp32
+        # In mixed precision, the hidden layers compute in bfloat16 and the output layers in fp32.
+        self.bf16 = bf16
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
-                nn.Flatten())
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1),
+                nn.ReLU(),
+                nn.Flatten(),
+            )
             hidden = 512
         else:
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
@@ -56,7 +62,7 @@ class A2C(nn.Module):
 
     def forward(self, x):
         """Policy logits [batch, n_actions] and state values [batch], in fp32."""
-        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        x = x.float() / 255 if x.dtype == torch.uint8 else x  # frames stay uint8 until here
         # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             features = self.body(x)
@@ -73,7 +79,8 @@ def select_actions(net, states, device):
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
-    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its parts."""
+    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its
+    parts."""
     logits, values = net(states)
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
@@ -81,8 +88,14 @@ def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
     loss_policy = -(adv * log_probs.gather(1, actions.unsqueeze(-1)).squeeze(-1)).mean()
     loss_entropy = entropy_beta * (log_probs.exp() * log_probs).sum(dim=1).mean()
     loss_total = loss_policy + loss_value + loss_entropy
-    stats = {"advantage": adv.mean(), "values": values.mean(), "loss_entropy": loss_entropy,
-             "loss_policy": loss_policy, "loss_value": loss_value, "loss_total": loss_total}
+    stats = {
+        "advantage": adv.mean(),
+        "values": values.mean(),
+        "loss_entropy": loss_entropy,
+        "loss_policy": loss_policy,
+        "loss_value": loss_value,
+        "loss_total": loss_total,
+    }
     return loss_total, stats
 
 
@@ -90,18 +103,28 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     """Worker process: play its envs with the main process's net (its published weights on a GPU);
     for each batch, wait for the optimizer step that took its last gradient, then put the gradient
     at the new weights in its slot and send what goes with it."""
-    torch.set_num_threads(1)   # the network on one thread; the envs step on the worker's share of the cores
+    # The network runs on one thread; the envs step on the worker's share of the cores.
+    torch.set_num_threads(1)
     torch.manual_seed(args.seed + worker_id)
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
-    # on a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one launch, not tens
+    # On a GPU, a call of the net replays a CUDA graph of its kernels (one per batch size): one
+    # launch, not tens.
     graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     if args.cuda:
-        processes.page_lock(grad_slots)  # for speed: its gradient is copied off the GPU into its slot every step
-    env = common.make_fast_env(args.env, params.envs, threads=common.cores_per_process(params.processes))
+        # The slots are page-locked for speed: the gradient is copied off the GPU into its slot
+        # every step.
+        processes.page_lock(grad_slots)
+    env = common.make_fast_env(
+        args.env, params.envs, threads=common.cores_per_process(params.processes)
+    )
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: select_actions(graphed_net, states, device), params.gamma, params.reward_steps,
-        seed=args.seed + worker_id * params.envs)
+        env,
+        lambda states: select_actions(graphed_net, states, device),
+        params.gamma,
+        params.reward_steps,
+        seed=args.seed + worker_id * params.envs,
+    )
     micro_batch, frames_sent = [], 0
     for exps in exp_source:
         micro_batch.extend(exps)
@@ -111,13 +134,19 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
         micro_batch.clear()
         # synchronous steps: every gradient a step averages is taken at the weights the step updates
         # (with gradients taken at older weights, the value never learns at 3e-3: docs/RESULTS.md)
-        step_receiver.recv()  # the step is made; EOFError, which ends this process, if the main process is gone
+        # This returns once the step is made; if the main process is gone, it raises EOFError, which
+        # ends this process.
+        step_receiver.recv()
         if args.cuda:
             weights.refresh(net)  # to that step's weights
-        net.zero_grad()  # grads are this process's own, also where the net's weights are shared (CPU)
-        loss_total, stats = calc_loss_a2c(graphed_net, states, actions, ref_vals, params.entropy_beta)
+        # The grads are this process's own, also where the net's weights are shared (on the CPU).
+        net.zero_grad()
+        loss_total, stats = calc_loss_a2c(
+            graphed_net, states, actions, ref_vals, params.entropy_beta
+        )
         loss_total.backward()
-        grad_slots[worker_id].copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))  # no pickling
+        # The gradient crosses in shared memory, with no pickling.
+        grad_slots[worker_id].copy_(torch.cat([p.grad.flatten() for p in net.parameters()]))
         stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one GPU sync for all
         new_frames, frames_sent = exp_source.frames - frames_sent, exp_source.frames
         send((worker_id, len(actions), stats, new_frames, exp_source.pop_episodes()))
@@ -132,9 +161,12 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all the samples."""
-    return {name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
-            for name in stats_list[0]}
+    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all
+    the samples."""
+    return {
+        name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
+        for name in stats_list[0]
+    }
 
 
 if __name__ == "__main__":
@@ -144,45 +176,58 @@ if __name__ == "__main__":
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # here only gradients are averaged and applied: the cores are the workers'
+    # The main process only averages and applies gradients: the cores are the workers'.
+    torch.set_num_threads(1)
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
-    lr = params.learning_rate * (params.processes * params.micro_batch / 128) ** 0.5   # by the batch's square root
+    # The learning rate is scaled by the batch's square root.
+    lr = params.learning_rate * (params.processes * params.micro_batch / 128) ** 0.5
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env)
-    frames = 0   # played in all, over the whole run
+    frames = 0  # played in all, over the whole run
 
-    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
+    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
 
-    if args.resume:   # go on where the stopped run was: its states, random generators and counter
+    if args.resume:  # go on where the stopped run was: its states, random generators and counter
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         frames = counters["frames"]
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
-    grad_slots = torch.zeros(params.processes, sum(p.numel() for p in net.parameters()))   # a row per worker
-    processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)  # before any child starts
+    # The gradient slots hold a row per worker.
+    grad_slots = torch.zeros(params.processes, sum(p.numel() for p in net.parameters()))
+    # The tensors move to shared memory before any child starts.
+    processes.share_memory(parser, weights, grad_slots, page_locked=args.cuda)
     # a pipe per worker, to tell it that the step is made: it waits in recv, with no polling
-    step_receivers, step_senders = zip(*(multiprocessing.Pipe(duplex=False) for _ in range(params.processes)))
-    workers = {f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
-               for i in range(params.processes)}
-    filled_slots = {}   # worker id: (samples, loss stats) of the gradient in its slot
+    step_receivers, step_senders = zip(
+        *(multiprocessing.Pipe(duplex=False) for _ in range(params.processes))
+    )
+    workers = {
+        f"worker {i}": (params, args, weights, grad_slots, step_receivers[i], i)
+        for i in range(params.processes)
+    }
+    filled_slots = {}  # worker id: (samples, loss stats) of the gradient in its slot
 
-    with runs.Run(args, tracker, checkpoint_contents) as run, processes.ChildProcesses(grads_func, workers) as messages:
+    with (
+        runs.Run(args, tracker, checkpoint_contents) as run,
+        processes.ChildProcesses(grads_func, workers) as messages,
+    ):
         for step_sender in step_senders:
-            step_sender.send(None)  # step 0, the initial weights: every worker takes its first gradient
+            # Step 0 is the initial weights: every worker takes its first gradient at them.
+            step_sender.send(None)
         for worker_id, samples, stats, new_frames, episodes in messages:
             frames += new_frames
             tracker.update(frames, episodes)
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
-            # the main process only applies gradients: it averages one from each worker into one step
+            # The main process only applies gradients: it averages one from each worker into a step.
             filled_slots[worker_id] = samples, stats
             if len(filled_slots) < params.processes:
                 continue
-            samples_list, stats_list = zip(*(filled_slots[i] for i in range(params.processes)))   # in slot order
+            # The samples and stats are read in slot order.
+            samples_list, stats_list = zip(*(filled_slots[i] for i in range(params.processes)))
             filled_slots.clear()
             mean_grads(net, grad_slots, samples_list, device)
             stats = mean_stats(stats_list, samples_list)
@@ -192,6 +237,7 @@ if __name__ == "__main__":
             if args.cuda:
                 weights.publish(net)
             for step_sender in step_senders:
-                step_sender.send(None)  # after the weights: a worker that hears of the step finds them
+                # The word comes after the weights: a worker that hears of the step finds them.
+                step_sender.send(None)
             tracker.record_step(loss=stats["loss_total"], **stats)
     sys.exit(run.exit_code)

@@ -7,6 +7,7 @@ With --bf16, every script runs twice, in fp32 and with --bf16, one after the oth
 gives both and their ratio. With --profile, every script runs twice, alone and under py-spy, and a
 second table and a PNG show, for each of its processes, the share of time spent in each category
 of work (CATEGORIES, RULES)."""
+
 import argparse
 import collections
 import json
@@ -43,36 +44,70 @@ COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b
 # names, else to "other". A rule: (category, a part of the frame's file or None for any file, the
 # frame's functions as py-spy names them, Class.method, or None for any function).
 RULES = [
-    ("emulator", "ale_py/", None),                    # the Atari emulators, one env or the C++ vector env
-    ("emulator", "gymnasium/", None),                 # wrappers, SyncVectorEnv, CartPole
+    ("emulator", "ale_py/", None),  # the Atari emulators, one env or the C++ vector env
+    ("emulator", "gymnasium/", None),  # wrappers, SyncVectorEnv, CartPole
     ("emulator", "common.py", {"FireAndNoopsOnReset.reset"}),
-    ("acting", None, {"select_actions", "DQNAgent.__call__"}),   # the forward pass that picks actions
-    ("acting", "dqn_compile.py", {"<lambda>"}),       # its agent: the compiled acting and the wait for its actions
-    ("training", None, {"calc_loss_dqn", "calc_loss_a2c", "unpack_batch_dqn", "unpack_batch_a2c",
-                        "train_step", "mean_grads"}),
-    ("training", "dqn_compile.py", {"CUDAGraphStep.__call__"}),   # the training step's graph, replayed
-    ("training", "torch/_tensor.py", {"Tensor.backward"}),   # not all of torch/autograd/: no_grad is there
-    ("training", "torch/optim/", None),               # the optimizer step
+    # This is the forward pass that picks actions.
+    ("acting", None, {"select_actions", "DQNAgent.__call__"}),
+    # This is dqn_compile's agent: the compiled acting and the wait for its actions.
+    ("acting", "dqn_compile.py", {"<lambda>"}),
+    (
+        "training",
+        None,
+        {
+            "calc_loss_dqn",
+            "calc_loss_a2c",
+            "unpack_batch_dqn",
+            "unpack_batch_a2c",
+            "train_step",
+            "mean_grads",
+        },
+    ),
+    # This is the training step's graph, replayed.
+    ("training", "dqn_compile.py", {"CUDAGraphStep.__call__"}),
+    # Only Tensor.backward counts, not all of torch/autograd/: no_grad is there.
+    ("training", "torch/_tensor.py", {"Tensor.backward"}),
+    ("training", "torch/optim/", None),  # the optimizer step
     ("training", "torch/nn/utils/clip_grad.py", None),
     ("replay", "common.py", {"ReplayBuffer.append", "ReplayBuffer.sample"}),
     ("replay", "dqn_compile.py", {"DeviceReplayBuffer.extend"}),
     # pipes: blocked until another process writes (a message, or that one was taken) is waiting;
     # pickling, writing and unpickling a message is transport (on Windows, the last two names wait)
-    ("waiting", "multiprocessing/connection.py", {"wait", "Connection._recv",
-                                                  "_exhaustive_wait", "PipeConnection._recv_bytes"}),
+    (
+        "waiting",
+        "multiprocessing/connection.py",
+        {"wait", "Connection._recv", "_exhaustive_wait", "PipeConnection._recv_bytes"},
+    ),
     ("transport", "multiprocessing/connection.py", None),
-    ("transport", "torch/distributed/", None),        # collectives
-    ("transport", "processes.py", {"ChildProcesses.__iter__", "SharedWeights.publish", "SharedWeights.refresh",
-                                   "SharedWeights.copy_to"}),
-    ("transport", "a3c_dist.py", {"exchange"}),      # the gradient's all_reduce, the reports in its rows
+    ("transport", "torch/distributed/", None),  # collectives
+    (
+        "transport",
+        "processes.py",
+        {
+            "ChildProcesses.__iter__",
+            "SharedWeights.publish",
+            "SharedWeights.refresh",
+            "SharedWeights.copy_to",
+        },
+    ),
+    # This is the gradient's all_reduce and the reports in its rows.
+    ("transport", "a3c_dist.py", {"exchange"}),
 ]
-START_UP = "importlib._bootstrap"   # a sample inside an import is start-up, left out
-# not the job's: a module named in a helper's command line or in its 3 outermost frames, where it runs
-# after `python -c`, `python -m` or torchrun's launcher (the job calls into one only deeper: to start it)
-HELPER = re.compile(r"multiprocessing[./]resource_tracker|torch[./]distributed[./]run|compile_worker")
-CHILD_NAMES = {"dqn_mp": "play process", "a3c_data": "worker", "a3c_grad": "worker", "a3c_dist": "rank"}
+START_UP = "importlib._bootstrap"  # a sample inside an import is start-up, left out
+# Not the job's: a module named in a helper's command line or in its 3 outermost frames, where it
+# runs after `python -c`, `python -m` or torchrun's launcher (the job calls into one only deeper: to
+# start it).
+HELPER = re.compile(
+    r"multiprocessing[./]resource_tracker|torch[./]distributed[./]run|compile_worker"
+)
+CHILD_NAMES = {
+    "dqn_mp": "play process",
+    "a3c_data": "worker",
+    "a3c_grad": "worker",
+    "a3c_dist": "rank",
+}
 FRAME = re.compile(r"(?P<function>.*) \((?P<file>.*):\d+\)$")
-PROCESS = re.compile(r'process (?P<pid>\d+):"(?P<cmd>[^"]*)";')   # a command line may hold a ";"
+PROCESS = re.compile(r'process (?P<pid>\d+):"(?P<cmd>[^"]*)";')  # a command line may hold a ";"
 THREAD = re.compile(r"thread \((?P<tid>\d+)\)")
 
 
@@ -93,13 +128,15 @@ def category(frames):
 
 def read_raw(lines):
     """py-spy's raw output (one stack a line: processes, thread, frames, then the sample count) as
-    {pid: (parent pid, Counter of categories)}, main threads only, start-up left out, and helpers left
-    out: known by their command line or, as py-spy may read a command line as empty, by their frames."""
+    {pid: (parent pid, Counter of categories)}, main threads only, start-up left out, and helpers
+    left out: known by their command line or, as py-spy may read a command line as empty, by their
+    frames."""
     processes, helpers = {}, set()
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         chain, start = [], 0
-        while match := PROCESS.match(stack, start):   # the process, its parent's before it, and so on
+        # The stack names the process, its parent before it, and so on.
+        while match := PROCESS.match(stack, start):
             chain.append(match)
             start = match.end()
         thread, *parts = stack[start:].split(";")
@@ -113,7 +150,7 @@ def read_raw(lines):
         if HELPER.search(" ".join([chain[-1]["cmd"]] + [file for _, file in frames[:3]])):
             helpers.add(pid)
         if int(thread["tid"]) != pid or any(START_UP in file for _, file in frames):
-            continue   # not the main thread (on Linux its id is the pid), or an import
+            continue  # not the main thread (on Linux its id is the pid), or an import
         counts[category(frames)] += int(count)
     return {pid: entry for pid, entry in processes.items() if pid not in helpers}
 
@@ -125,7 +162,8 @@ def label_processes(processes, child_name="child"):
     job = dict(sorted(processes.items()))
     labelled, children = {}, []
     for parent, counts in job.values():
-        if parent is None:   # the process py-spy started; under torchrun the agent, left out as a helper
+        # This is the process py-spy started; under torchrun it is the agent, left out as a helper.
+        if parent is None:
             labelled["main process"] = counts
         else:
             children.append(counts)
@@ -143,30 +181,50 @@ def find_py_spy():
 
 def profile(cmd, out_file, rate=50, child_name="child"):
     """Run cmd under py-spy, sampling every thread of it and its children, idle or not; returns
-    {label: Counter of categories} and cmd's output. Where py-spy cannot trace, exit 2 with one line."""
+    {label: Counter of categories} and cmd's output. Where py-spy cannot trace, exit 2 with one
+    line."""
     spy = find_py_spy()
     if spy is None:
         fail("--profile needs py-spy: pip install -r requirements.txt")
-    record = [spy, "record", "--subprocesses", "--idle", "--threads", "--format", "raw", "--rate", str(rate),
-              "--output", out_file, "--"]
+    record = [
+        spy,
+        "record",
+        "--subprocesses",
+        "--idle",
+        "--threads",
+        "--format",
+        "raw",
+        "--rate",
+        str(rate),
+        "--output",
+        out_file,
+        "--",
+    ]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.run(record + cmd, stdout=out, stderr=err, text=True)
         out.seek(0), err.seek(0)
         output, message = out.read(), err.read()
     if proc.returncode != 0 or not os.path.exists(out_file):
         if "ptrace" in message.lower() or "permission" in message.lower():
-            fail("py-spy may not trace processes here (ptrace); in Docker, run the container with "
-                 "--cap-add SYS_PTRACE; on macOS, run bench.py --profile as root")
-        last = message.strip().splitlines()[-1] if message.strip() else f"exit code {proc.returncode}"
+            fail(
+                "py-spy may not trace processes here (ptrace); in Docker, run the container with "
+                "--cap-add SYS_PTRACE; on macOS, run bench.py --profile as root"
+            )
+        last = (
+            message.strip().splitlines()[-1] if message.strip() else f"exit code {proc.returncode}"
+        )
         fail(f"{' '.join(cmd[:2])} under py-spy failed: {last}")
     with open(out_file) as f:
         return label_processes(read_raw(f), child_name), output
 
 
 def shares_table(profiles):
-    """A markdown table: per script and process, each category's share of its main thread's samples."""
-    lines = ["| script | process | " + " | ".join(CATEGORIES) + " | samples |",
-             "|---|---|" + "---:|" * (len(CATEGORIES) + 1)]
+    """A markdown table: per script and process, each category's share of its main thread's
+    samples."""
+    lines = [
+        "| script | process | " + " | ".join(CATEGORIES) + " | samples |",
+        "|---|---|" + "---:|" * (len(CATEGORIES) + 1),
+    ]
     for script, processes in profiles.items():
         for label, counts in processes.items():
             total = sum(counts.values()) or 1
@@ -178,22 +236,37 @@ def shares_table(profiles):
 def draw_profiles(profiles, path, title):
     """A PNG: a group of stacked bars per script, one bar per process, a colour per category."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    bars = [(script, label, counts) for script, processes in profiles.items() for label, counts in processes.items()]
+
+    bars = [
+        (script, label, counts)
+        for script, processes in profiles.items()
+        for label, counts in processes.items()
+    ]
     firsts = [i == 0 or script != bars[i - 1][0] for i, (script, _, _) in enumerate(bars)]
-    positions = [i + 0.6 * (sum(firsts[:i + 1]) - 1) for i in range(len(bars))]   # a gap between scripts
+    # A gap separates one script's bars from the next's.
+    positions = [i + 0.6 * (sum(firsts[: i + 1]) - 1) for i in range(len(bars))]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(bars) + 2), 4.5))
     bottoms = [0.0] * len(bars)
     for name, colour in zip(CATEGORIES, COLOURS):
         heights = [100 * counts[name] / (sum(counts.values()) or 1) for _, _, counts in bars]
         ax.bar(positions, heights, 0.8, bottom=bottoms, color=colour, label=name)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(positions, [f"{script}: {label}" if first else label
-                              for first, (script, label, _) in zip(firsts, bars)], rotation=90, fontsize=7)
+    ax.set_xticks(
+        positions,
+        [
+            f"{script}: {label}" if first else label
+            for first, (script, label, _) in zip(firsts, bars)
+        ],
+        rotation=90,
+        fontsize=7,
+    )
     ax.set_ylabel("share of the process's time (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=7)   # as wide as the figure
+    # The title wraps as wide as the figure.
+    ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=7)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -221,6 +294,7 @@ def env_ceiling(env_name, n_envs, seconds, threads=0, barrier=None):
     def step():
         actions[:] = np.random.randint(env.single_action_space.n, size=n_envs)
         env.step(actions)
+
     if barrier is not None:
         barrier.wait()
     rate = timed_rate(step, n_envs, seconds)
@@ -229,12 +303,18 @@ def env_ceiling(env_name, n_envs, seconds, threads=0, barrier=None):
 
 
 def workers_rates(env_name, processes, n_envs, seconds, threads):
-    """Agent steps/s of each of `processes` processes stepping at once, each n_envs envs on `threads`
-    emulator threads with random actions."""
+    """Agent steps/s of each of `processes` processes stepping at once, each n_envs envs on
+    `threads` emulator threads with random actions."""
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, rates = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=put_env_rate, args=(rates, env_name, n_envs, seconds, threads, barrier), daemon=True)
-             for _ in range(processes)]
+    procs = [
+        ctx.Process(
+            target=put_env_rate,
+            args=(rates, env_name, n_envs, seconds, threads, barrier),
+            daemon=True,
+        )
+        for _ in range(processes)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -268,9 +348,13 @@ def dqn_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
     tgt_net = dqn_fast.DQN(space.shape, n_actions, bf16).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
     states = real_states(env_name, params.batch_size)
-    batch = (states, np.random.randint(n_actions, size=params.batch_size),
-             np.random.rand(params.batch_size).astype(np.float32),
-             np.zeros(params.batch_size, dtype=bool), states)
+    batch = (
+        states,
+        np.random.randint(n_actions, size=params.batch_size),
+        np.random.rand(params.batch_size).astype(np.float32),
+        np.zeros(params.batch_size, dtype=bool),
+        states,
+    )
 
     def step():
         optimizer.zero_grad()
@@ -278,6 +362,7 @@ def dqn_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     return timed_rate(step, params.batch_size, seconds) / params.batch_size
 
 
@@ -297,6 +382,7 @@ def a2c_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     return timed_rate(step, params.batch_size, seconds)
 
 
@@ -304,18 +390,27 @@ def cpu_model():
     """The CPU's model name (from /proc/cpuinfo on Linux), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
 
 def commit():
     """The git commit of these scripts, with "+changes" where tracked files differ from it."""
+
     def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+
     try:
-        head, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except OSError:   # no git here
+        head, changes = (
+            git("rev-parse", "--short", "HEAD"),
+            git("status", "--porcelain", "--untracked-files=no"),
+        )
+    except OSError:  # no git here
         return "unknown"
     return head + ("+changes" if changes else "") if head else "unknown"
 
@@ -340,9 +435,22 @@ def script_command(script, args, warmup, bf16=False):
     if script == "a3c_dist":  # as many ranks as the other A3C scripts have workers
         ranks = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    cmd = launcher + [os.path.join(HERE, f"{script}.py"), "--env", args.env, "--max-frames",
-                      str(warmup + args.frames), "-n", "bench", "--checkpoint-minutes", "0"] + (
-                          ["--cuda"] if args.cuda else [])   # no checkpoint: its write is no part of the speed
+    cmd = (
+        launcher
+        + [
+            os.path.join(HERE, f"{script}.py"),
+            "--env",
+            args.env,
+            "--max-frames",
+            str(warmup + args.frames),
+            "-n",
+            "bench",
+            # No checkpoint is written: its write is no part of the speed.
+            "--checkpoint-minutes",
+            "0",
+        ]
+        + (["--cuda"] if args.cuda else [])
+    )
     return cmd + args.script_args.get(script, []) + (["--bf16"] if bf16 else [])
 
 
@@ -370,7 +478,10 @@ def print_compile_time(label, summary):
     """dqn_compile's first training step, its compilation, on a line of its own: train fps counts
     from its end."""
     if label.startswith("dqn_compile"):
-        print(f"{label}: first training step, with its compilation, {summary['first_step_seconds']:.1f} s")
+        print(
+            f"{label}: first training step, with its compilation, "
+            f"{summary['first_step_seconds']:.1f} s"
+        )
 
 
 def parse_args():
@@ -378,16 +489,29 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--env", choices=sorted(common.ENV_IDS), default="pong")
     parser.add_argument("--cuda", action="store_true")
-    parser.add_argument("--frames", type=runs.positive_int, default=3000,
-                        help="training frames per script, after its warm-up (default: 3000)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="time per ceiling (default: 10)")
+    parser.add_argument(
+        "--frames",
+        type=runs.positive_int,
+        default=3000,
+        help="training frames per script, after its warm-up (default: 3000)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, help="time per ceiling (default: 10)"
+    )
     parser.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=SCRIPTS)
     parser.add_argument("--envs", type=runs.positive_int, help="passed to the DQN scripts and A3C")
     parser.add_argument("--processes", type=runs.positive_int, help="passed to the A3C scripts")
-    parser.add_argument("--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio")
-    parser.add_argument("--profile", action="store_true",
-                        help="every script also under py-spy: where each process's time goes (table and PNG)")
-    parser.add_argument("--png", default="profile.png", help="where --profile draws (default: profile.png)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="every script also under py-spy: where each process's time goes (table and PNG)",
+    )
+    parser.add_argument(
+        "--png", default="profile.png", help="where --profile draws (default: profile.png)"
+    )
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
@@ -414,31 +538,57 @@ def measure_ceilings(args, device):
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     if any(script.startswith("a3c") for script in args.scripts):
-        # what the emulators alone allow the workers, each on its share of the cores: their rates add up
-        ceilings[args.workers] = sum(workers_rates(args.env, args.a3c_processes, args.a3c_envs, args.seconds,
-                                                   common.cores_per_process(args.a3c_processes)))
+        # What the emulators alone allow the workers, each on its share of the cores: their rates
+        # add up.
+        ceilings[args.workers] = sum(
+            workers_rates(
+                args.env,
+                args.a3c_processes,
+                args.a3c_envs,
+                args.seconds,
+                common.cores_per_process(args.a3c_processes),
+            )
+        )
         # and what every core allows: a process a core, each stepping 8 envs on one thread
-        ceilings[args.all_cores] = sum(workers_rates(args.env, common.cores_per_process(1), 8, args.seconds, 1))
+        ceilings[args.all_cores] = sum(
+            workers_rates(args.env, common.cores_per_process(1), 8, args.seconds, 1)
+        )
     if args.bf16:
-        ceilings["DQN net bf16"] = dqn_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
-        ceilings["A2C net bf16"] = a2c_ceiling(args.env, space, n_actions, device, args.seconds, bf16=True)
+        ceilings["DQN net bf16"] = dqn_ceiling(
+            args.env, space, n_actions, device, args.seconds, bf16=True
+        )
+        ceilings["A2C net bf16"] = a2c_ceiling(
+            args.env, space, n_actions, device, args.seconds, bf16=True
+        )
     return ceilings
 
 
 def print_machine_and_ceilings(args, ceilings):
     """The lines above the table: the machine, versions, commit, date, command, ceilings."""
-    print(f"Machine: {args.machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
-          f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; command: {args.command}")
-    print(f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s, "
-          f"with {args.dqn_envs} envs {ceilings[f'env, {args.dqn_envs} envs']:.0f}; "
-          f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
-          f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s"
-          + (f"; {args.workers} (random actions, at once) {ceilings[args.workers]:.0f} frames/s; "
-             f"{args.all_cores} (a process a core, 8 envs each on one thread, random actions, at once) "
-             f"{ceilings[args.all_cores]:.0f} frames/s" if args.workers in ceilings else ""))
+    print(
+        f"Machine: {args.machine}; torch {torch.__version__}, gymnasium {gym.__version__}, "
+        f"ale-py {ale_py.__version__}; commit {commit()}; {time.strftime('%Y-%m-%d')}; "
+        f"command: {args.command}"
+    )
+    print(
+        f"Ceilings: env (C++ vector env, 8 envs, random actions) {ceilings['env']:.0f} frames/s, "
+        f"with {args.dqn_envs} envs {ceilings[f'env, {args.dqn_envs} envs']:.0f}; "
+        f"DQN net (batch 32 training step) {ceilings['DQN net']:.0f} frames/s; "
+        f"A2C net (batch 128 training step) {ceilings['A2C net']:.0f} samples/s"
+        + (
+            f"; {args.workers} (random actions, at once) {ceilings[args.workers]:.0f} frames/s; "
+            f"{args.all_cores} (a process a core, 8 envs each on one thread, random actions, "
+            "at once) "
+            f"{ceilings[args.all_cores]:.0f} frames/s"
+            if args.workers in ceilings
+            else ""
+        )
+    )
     if args.bf16:
-        print(f"Ceilings with bf16: DQN net {ceilings['DQN net bf16']:.0f} frames/s, "
-              f"A2C net {ceilings['A2C net bf16']:.0f} samples/s")
+        print(
+            f"Ceilings with bf16: DQN net {ceilings['DQN net bf16']:.0f} frames/s, "
+            f"A2C net {ceilings['A2C net bf16']:.0f} samples/s"
+        )
     print()
 
 
@@ -461,9 +611,11 @@ def bench_bf16(args):
     print("| script | train fps, fp32 | train fps, bf16 | bf16 vs fp32 | peak RSS, fp32 / bf16 |")
     print("|---|---:|---:|---:|---:|")
     for script, fp32, mixed in rows:
-        print(f"| {script} | {fp32['train_fps']:.0f} | {mixed['train_fps']:.0f} "
-              f"| {mixed['train_fps'] / fp32['train_fps']:.2f}x "
-              f"| {fp32['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |")
+        print(
+            f"| {script} | {fp32['train_fps']:.0f} | {mixed['train_fps']:.0f} "
+            f"| {mixed['train_fps'] / fp32['train_fps']:.2f}x "
+            f"| {fp32['peak_rss'] / 2**30:.2f} / {mixed['peak_rss'] / 2**30:.2f} GiB |"
+        )
 
 
 def bench_speed(args, ceilings):
@@ -474,37 +626,55 @@ def bench_speed(args, ceilings):
         summary = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
         print_compile_time(script, summary)
-        bounds = ["DQN net", f"env, {args.dqn_envs} envs"] if script.startswith("dqn") else ["A2C net", args.all_cores]
+        bounds = (
+            ["DQN net", f"env, {args.dqn_envs} envs"]
+            if script.startswith("dqn")
+            else ["A2C net", args.all_cores]
+        )
         if script == "dqn_baseline":
             baseline = summary["train_fps"]
         if args.profile:
             with tempfile.TemporaryDirectory() as folder:
-                profiles[script], output = profile(script_command(script, args, warmup_frames(args, script)),
-                                                   os.path.join(folder, "raw"),
-                                                   child_name=CHILD_NAMES.get(script, "child"))
-            last = next(line for line in reversed(output.splitlines()) if line.startswith("{"))   # not py-spy's
+                profiles[script], output = profile(
+                    script_command(script, args, warmup_frames(args, script)),
+                    os.path.join(folder, "raw"),
+                    child_name=CHILD_NAMES.get(script, "child"),
+                )
+            # The last JSON line is the script's, not py-spy's.
+            last = next(line for line in reversed(output.splitlines()) if line.startswith("{"))
             summary["profiled_fps"] = json.loads(last)["train_fps"]
         rows.append((script, summary, min(bounds, key=ceilings.get)))
-    print("| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |"
-          + (" train fps under py-spy |" if args.profile else ""))
+    print(
+        "| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |"
+        + (" train fps under py-spy |" if args.profile else "")
+    )
     print("|---|---:|---:|---:|---:|" + ("---:|" if args.profile else ""))
     for script, summary, bound in rows:
         ratio = f"{summary['train_fps'] / baseline:.2f}x" if baseline else "-"
         fraction = summary["train_fps"] / ceilings[bound]
-        print(f"| {script} | {summary['train_fps']:.0f} | {ratio} | {fraction:.0%} ({bound}) "
-              f"| {summary['peak_rss'] / 2**30:.2f} GiB |" + (f" {summary['profiled_fps']:.0f} |" if args.profile else ""))
+        print(
+            f"| {script} | {summary['train_fps']:.0f} | {ratio} | {fraction:.0%} ({bound}) "
+            f"| {summary['peak_rss'] / 2**30:.2f} GiB |"
+            + (f" {summary['profiled_fps']:.0f} |" if args.profile else "")
+        )
     if args.profile:
         print_profiles(args, profiles)
 
 
 def print_profiles(args, profiles):
     """Where each process's time goes: the table, and the PNG at --png."""
-    print("\nWhere each process's main thread spends its time (py-spy, idle time counted; start-up "
-          "imports, the resource tracker and the torchrun agent left out"
-          + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "") + "):\n")
+    print(
+        "\nWhere each process's main thread spends its time (py-spy, idle time counted; start-up "
+        "imports, the resource tracker and the torchrun agent left out"
+        + ("; DQN's replay warm-up is in" if any(s.startswith("dqn") for s in profiles) else "")
+        + "):\n"
+    )
     print(shares_table(profiles))
-    named = args.command.replace(args.png, os.path.basename(args.png))   # the command, not this machine's folders
-    draw_profiles(profiles, args.png, f"{args.machine}; torch {torch.__version__}; commit {commit()}; {named}")
+    # The title shows the command, not this machine's folders.
+    named = args.command.replace(args.png, os.path.basename(args.png))
+    draw_profiles(
+        profiles, args.png, f"{args.machine}; torch {torch.__version__}; commit {commit()}; {named}"
+    )
     print(f"\n{args.png}: the same, drawn")
 
 
@@ -512,16 +682,23 @@ def main():
     """Measure the ceilings, then the scripts: their speed (and profiles), or fp32 against bf16."""
     args = parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
-    args.dqn_envs = args.envs or 3   # as many envs as the DQN scripts step as one
-    args.a3c_processes = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]   # and the A3C scripts' workers
+    args.dqn_envs = args.envs or 3  # as many envs as the DQN scripts step as one
+    # As many worker processes as the A3C scripts start.
+    args.a3c_processes = args.processes or a3c_data.HYPERPARAMS[args.env]["processes"]
     args.a3c_envs = args.envs or a3c_data.HYPERPARAMS[args.env]["envs"]
-    threads = common.cores_per_process(args.a3c_processes)   # a worker's emulator threads
-    args.workers = f"env, {args.a3c_processes} workers x {args.a3c_envs} envs on {threads} thread{'s' * (threads > 1)} each"
+    threads = common.cores_per_process(args.a3c_processes)  # a worker's emulator threads
+    args.workers = (
+        f"env, {args.a3c_processes} workers x {args.a3c_envs} envs on {threads} "
+        f"thread{'s' * (threads > 1)} each"
+    )
     args.all_cores = f"env, all {common.cores_per_process(1)} cores"
     args.command = " ".join(["python bench.py"] + sys.argv[1:])
-    args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if args.cuda else "")
+    args.machine = f"{cpu_model()}, {os.cpu_count()} cores" + (
+        f", {torch.cuda.get_device_name()}" if args.cuda else ""
+    )
     if args.bf16:
-        args.machine += f"; bf16 {'native' if runs.bf16_native(device.type == 'cuda') else 'EMULATED (slower than fp32)'}"
+        native = runs.bf16_native(device.type == "cuda")
+        args.machine += f"; bf16 {'native' if native else 'EMULATED (slower than fp32)'}"
     ceilings = measure_ceilings(args, device)
     print_machine_and_ceilings(args, ceilings)
     if args.bf16:

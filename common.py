@@ -1,6 +1,7 @@
 """What the scripts share of reinforcement learning: the env makers and wrappers, the n-step
 experience source, the replay buffer and batch unpacking. What a user changes lives in each script;
 the run's plumbing in runs.py and processes.py."""
+
 import collections
 import hashlib
 import os
@@ -11,14 +12,16 @@ import numpy as np
 import torch
 
 gym.register_envs(ale_py)
-ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)   # no banner for every env made: errors only
+# ALE logs errors only, with no banner for every env made.
+ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 
 # ---------------------------------------------------------------- environments
-# the envs every script knows: their gymnasium ids, and the mean reward of 100 episodes that solves them
+# The envs every script knows: their gymnasium ids, and the mean reward of 100 episodes that solves
+# them.
 ENV_IDS = {"pong": "PongNoFrameskip-v4", "cartpole": "CartPole-v1"}
 STOP_REWARDS = {"pong": 18.0, "cartpole": 195.0}
-FRAME_SKIP = 4   # emulator frames per agent step on Atari: one action, repeated 4 times
+FRAME_SKIP = 4  # emulator frames per agent step on Atari: one action, repeated 4 times
 
 
 class FireAndNoopsOnReset(gym.Wrapper):
@@ -49,6 +52,7 @@ def atari_game(env):
 
 def make_python_env(env, n_envs=1, noop_max=30, render_mode=None):
     """Python pipeline: gymnasium wrappers in a SyncVectorEnv (next-step autoreset)."""
+
     def make_one():
         one = gym.make(ENV_IDS[env], render_mode=render_mode)
         if atari_game(env):
@@ -56,23 +60,33 @@ def make_python_env(env, n_envs=1, noop_max=30, render_mode=None):
             one = gym.wrappers.AtariPreprocessing(one, noop_max=0, frame_skip=FRAME_SKIP)
             one = gym.wrappers.FrameStackObservation(one, 4, padding_type="zero")
         return one
+
     return gym.vector.SyncVectorEnv([make_one] * n_envs)
 
 
 def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
-    """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else SyncVectorEnv."""
+    """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else
+    SyncVectorEnv."""
     game = atari_game(env)
     if game is None:
         return make_python_env(env, n_envs)
     return ale_py.vector_env.AtariVectorEnv(
-        game, n_envs, num_threads=threads, noop_max=noop_max, frameskip=FRAME_SKIP, stack_num=4,
-        repeat_action_probability=0.0, reward_clipping=False)
+        game,
+        n_envs,
+        num_threads=threads,
+        noop_max=noop_max,
+        frameskip=FRAME_SKIP,
+        stack_num=4,
+        repeat_action_probability=0.0,
+        reward_clipping=False,
+    )
 
 
 def cores_per_process(processes):
     """The cores this process may use, shared among `processes` processes that step their envs at
     once (at least 1): emulator threads each. Each env steps alone, so threads change no result."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()   # macOS, Windows
+    # macOS and Windows have no sched_getaffinity.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, cores // processes)
 
 
@@ -80,7 +94,8 @@ def cores_per_process(processes):
 # reward: discounted sum of up to n rewards; last_state: state after them, None if the episode
 # terminated; steps: how many rewards were summed (fewer than n at an episode's end)
 ExperienceFirstLast = collections.namedtuple(
-    "ExperienceFirstLast", ["state", "action", "reward", "last_state", "steps"])
+    "ExperienceFirstLast", ["state", "action", "reward", "last_state", "steps"]
+)
 
 
 class ExperienceSourceFirstLast:
@@ -92,15 +107,15 @@ class ExperienceSourceFirstLast:
         before (the env needs send and recv, as ale-py's vector env has)."""
         self.env, self.agent = env, agent
         self.gamma, self.steps_count, self.seed, self.overlap = gamma, steps_count, seed, overlap
-        self.frames = 0                  # agent steps taken, all envs together
-        self.finished = []               # (reward, steps) of episodes ended since pop_episodes()
+        self.frames = 0  # agent steps taken, all envs together
+        self.finished = []  # (reward, steps) of episodes ended since pop_episodes()
 
     def __iter__(self):
         """Forever: step all envs once, yield the list of experiences that step completed (with
         overlap, while the envs play the next step: the first list, before any step, is empty)."""
         n = self.env.num_envs
         obs, _ = self.env.reset(seed=self.seed)
-        history = [collections.deque() for _ in range(n)]   # (state, action, reward) per env
+        history = [collections.deque() for _ in range(n)]  # (state, action, reward) per env
         ep_reward, ep_steps = np.zeros(n), np.zeros(n, dtype=np.int64)
         needs_reset = np.zeros(n, dtype=bool)
         exps = []
@@ -108,13 +123,14 @@ class ExperienceSourceFirstLast:
             actions = self.agent(obs)
             if self.overlap:
                 self.env.send(actions)
-                yield exps   # the caller works on the last step's experiences while the envs play this one
+                # The caller works on the last step's experiences while the envs play this one.
+                yield exps
                 next_obs, rewards, terminated, truncated, _ = self.env.recv()
             else:
                 next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
             exps = []
             for i in range(n):
-                if needs_reset[i]:       # next-step autoreset: this step only reset env i
+                if needs_reset[i]:  # next-step autoreset: this step only reset env i
                     needs_reset[i] = False
                     continue
                 self.frames += 1
@@ -159,30 +175,35 @@ class ExperienceSourceFirstLast:
 
 
 def digest(frame):
-    """128 bits of BLAKE2b: two different frames of a run share them with odds far below any hardware fault's."""
+    """128 bits of BLAKE2b: two different frames of a run share them with odds far below any
+    hardware fault's."""
     return hashlib.blake2b(frame, digest_size=16).digest()
 
 
 class FrameIndex:
-    """Which slots of a store of frames the transitions of a ring are made of, each frame stored once: consecutive
-    states share all frames but one, so a frame is found again by a 128-bit digest of its bytes, and its slot is
-    free again when no transition uses it. Slot 0 holds zeros: the padding, a terminal's next frame."""
+    """Which slots of a store of frames the transitions of a ring are made of, each frame stored
+    once: consecutive states share all frames but one, so a frame is found again by a 128-bit digest
+    of its bytes, and its slot is free again when no transition uses it. Slot 0 holds zeros: the
+    padding, a terminal's next frame."""
 
     def __init__(self, capacity, obs_space):
         shape, self.dtype = obs_space.shape, obs_space.dtype
-        self.stacked = len(shape) == 3   # a stack of frames; a vector observation is one frame of its own
+        # An observation is a stack of frames; a vector observation is one frame of its own.
+        self.stacked = len(shape) == 3
         self.frame_shape = shape[1:] if self.stacked else shape
-        # a frame a transition, and room for those no transition starts with: the next frame of each truncated
-        # episode's last transition (an eighth more: episodes of 8 steps and more) and of each env's newest, and
-        # the 3 older frames of each env's oldest (64: up to 16 envs)
+        # A frame a transition, and room for those no transition starts with: the next frame of each
+        # truncated episode's last transition (an eighth more: episodes of 8 steps and more) and of
+        # each env's newest, and the 3 older frames of each env's oldest (64: up to 16 envs).
         self.slots = capacity + capacity // 8 + 64
-        # per ring position, its transition's slots: its state's frames, then its next state's newest
+        # Each ring position holds its transition's slots: its state's frames, then its next state's
+        # newest.
         self.rows = np.zeros((capacity, (shape[0] if self.stacked else 1) + 1), dtype=np.int64)
         self.load(self.rows[:0], np.zeros((1, *self.frame_shape), self.dtype))
 
     def place(self, pos, exp):
-        """Point ring position pos at a one-step experience's frames, releasing those of the transition it held;
-        returns the (slot, frame) pairs new to the store, for the caller to write there."""
+        """Point ring position pos at a one-step experience's frames, releasing those of the
+        transition it held; returns the (slot, frame) pairs new to the store, for the caller to
+        write there."""
         for slot in self.rows[pos]:
             self.uses[slot] -= 1
             if self.uses[slot] == 0:
@@ -190,16 +211,19 @@ class FrameIndex:
                 self.free.append(slot)
         frames = list(exp.state) if self.stacked else [exp.state]
         last = exp.last_state if exp.last_state is None or not self.stacked else exp.last_state[-1]
-        frames.append(np.zeros_like(frames[0]) if last is None else last)   # zeros after a terminal state
+        # A terminal state's next frame is zeros.
+        frames.append(np.zeros_like(frames[0]) if last is None else last)
         new = []
         for k, frame in enumerate(frames):
             frame = np.ascontiguousarray(frame, dtype=self.dtype)
             key = digest(frame)
             slot = self.slot_of.get(key)
-            if slot is None:   # a frame not in the store
+            if slot is None:  # a frame not in the store
                 if not self.free:
-                    raise RuntimeError(f"the replay buffer's store of {self.slots} frames is full: more than 16 "
-                                       "envs, or episodes truncated within 8 steps, need more (FrameIndex.slots)")
+                    raise RuntimeError(
+                        f"the replay buffer's store of {self.slots} frames is full: more than 16 "
+                        "envs, or episodes truncated within 8 steps, need more (FrameIndex.slots)"
+                    )
                 slot = self.slot_of[key] = self.free.pop()
                 self.digests[slot] = key
                 new.append((slot, frame))
@@ -208,18 +232,24 @@ class FrameIndex:
         return new
 
     def load(self, rows, frames):
-        """Take a ring's filled rows and the store's frames up to the highest slot they use (on the CPU)."""
-        self.rows[:len(rows)], self.rows[len(rows):] = rows, 0
+        """Take a ring's filled rows and the store's frames up to the highest slot they use (on the
+        CPU)."""
+        self.rows[: len(rows)], self.rows[len(rows) :] = rows, 0
         self.uses = np.bincount(self.rows.ravel(), minlength=self.slots)
-        self.uses[0] += 1   # never freed
+        self.uses[0] += 1  # never freed
         frames = np.asarray(frames)
-        self.digests = [digest(frames[slot]) if uses else None for slot, uses in enumerate(self.uses)]
+        self.digests = [
+            digest(frames[slot]) if uses else None for slot, uses in enumerate(self.uses)
+        ]
         self.slot_of = {key: slot for slot, key in enumerate(self.digests) if key}
-        self.free = [slot for slot in range(self.slots - 1, 0, -1) if not self.uses[slot]]   # pop() takes the lowest
+        # The list runs from the highest slot down, so pop() takes the lowest.
+        self.free = [slot for slot in range(self.slots - 1, 0, -1) if not self.uses[slot]]
 
 
 class ReplayBuffer:
-    """Ring buffer of one-step transitions, sampled uniformly, each frame stored once (FrameIndex)."""
+    """Ring buffer of one-step transitions, sampled uniformly, each frame stored once
+    (FrameIndex)."""
+
     ARRAYS = ("actions", "rewards", "dones")
 
     def __init__(self, capacity, obs_space, seed=None):
@@ -240,38 +270,53 @@ class ReplayBuffer:
         i = self.pos
         for slot, frame in self.index.place(i, exp):
             self.frames[slot] = frame
-        self.actions[i], self.rewards[i], self.dones[i] = exp.action, exp.reward, exp.last_state is None
+        self.actions[i], self.rewards[i], self.dones[i] = (
+            exp.action,
+            exp.reward,
+            exp.last_state is None,
+        )
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
     def sample(self, batch_size):
-        """Arrays (states, actions, rewards, dones, last_states) of batch_size random transitions."""
+        """Arrays (states, actions, rewards, dones, last_states) of batch_size random
+        transitions."""
         return self.transitions(self.rng.integers(0, self.size, batch_size))
 
     def transitions(self, idx):
-        """Arrays (states, actions, rewards, dones, last_states) of the transitions at these ring positions."""
-        frames = self.frames[self.index.rows[idx]]   # each row's frames, read once: its state's, its next state's newest
-        states, last_states = frames[:, :-1], frames[:, 1:]   # a next state is its state's frames but the oldest
+        """Arrays (states, actions, rewards, dones, last_states) of the transitions at these ring
+        positions."""
+        # Each row's frames are read once: its state's, and its next state's newest.
+        frames = self.frames[self.index.rows[idx]]
+        # A next state is its state's frames but the oldest.
+        states, last_states = frames[:, :-1], frames[:, 1:]
         if not self.index.stacked:
             states, last_states = states[:, 0], last_states[:, 0]
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
     def state_dict(self):
-        """The filled rows, the store up to its highest slot in use and the other arrays' filled part, as
-        tensors that share the arrays' memory (torch.save writes that part, no copy); the ring's position
-        and the sampling generator's state."""
-        rows = self.index.rows[:self.size]
-        filled = {name: torch.from_numpy(getattr(self, name)[:self.size]) for name in self.ARRAYS}
-        return dict(filled, rows=torch.from_numpy(rows), frames=torch.from_numpy(self.frames[:rows.max(initial=0) + 1]),
-                    pos=self.pos, size=self.size, rng=self.rng.bit_generator.state)
+        """The filled rows, the store up to its highest slot in use and the other arrays' filled
+        part, as tensors that share the arrays' memory (torch.save writes that part, no copy); the
+        ring's position and the sampling generator's state."""
+        rows = self.index.rows[: self.size]
+        filled = {name: torch.from_numpy(getattr(self, name)[: self.size]) for name in self.ARRAYS}
+        return dict(
+            filled,
+            rows=torch.from_numpy(rows),
+            frames=torch.from_numpy(self.frames[: rows.max(initial=0) + 1]),
+            pos=self.pos,
+            size=self.size,
+            rng=self.rng.bit_generator.state,
+        )
 
     def load_state_dict(self, state):
-        """Copy a state_dict's arrays into this buffer's own (from a mapped checkpoint: read as copied)."""
+        """Copy a state_dict's arrays into this buffer's own (from a mapped checkpoint: read as
+        copied)."""
         self.pos, self.size = state["pos"], state["size"]
-        self.frames[:len(state["frames"])] = state["frames"].numpy()
+        self.frames[: len(state["frames"])] = state["frames"].numpy()
         self.index.load(state["rows"].numpy(), state["frames"])
         for name in self.ARRAYS:
-            getattr(self, name)[:self.size] = state[name].numpy()
+            getattr(self, name)[: self.size] = state[name].numpy()
         self.rng.bit_generator.state = state["rng"]
 
 
@@ -290,25 +335,32 @@ def unpack_batch_a2c(exps, net, device, gamma):
     alive = [i for i, e in enumerate(exps) if e.last_state is not None]
     if alive:
         net_device = next(net.parameters()).device
-        last_states = torch.as_tensor(np.stack([exps[i].last_state for i in alive]), device=net_device)
+        last_states = torch.as_tensor(
+            np.stack([exps[i].last_state for i in alive]), device=net_device
+        )
         with torch.no_grad():
             last_vals = net(last_states)[1].cpu().numpy()
         steps = np.array([exps[i].steps for i in alive])
-        ref_vals[alive] += gamma ** steps * last_vals
+        ref_vals[alive] += gamma**steps * last_vals
     return states, actions, torch.as_tensor(ref_vals, device=device)
 
 
 # ---------------------------------------------------------------- network health
-# a ReLU layer with fewer of its outputs above zero than this on the health states is dead: the seed-1 Pong
-# run that never learned had 0.01% in two convolutions at 0.26M frames; an early dip that recovered, 0.12%
+# A ReLU layer with fewer of its outputs above zero than this on the health states is dead: the
+# seed-1 Pong run that never learned had 0.01% in two convolutions at 0.26M frames; an early dip
+# that recovered, 0.12%.
 DEAD_ACTIVE_SHARE = 0.0003
 
 
 class NetworkHealth:
-    """Whether a DQN's ReLU units still fire, read on a fixed batch of states from its replay buffer. A unit
-    (a convolution's channel, a linear layer's neuron) that is zero on every state passes no gradient back,
-    so it stays zero: when a layer has no live units left, every state gets the same Q-values."""
-    STATES = 256   # the fixed batch: positions spread evenly over the buffer, taken at the first measure
+    """Whether a DQN's ReLU units still fire, read on a fixed batch of states from its replay
+    buffer. A unit (a convolution's channel, a linear layer's neuron) that is zero on every state
+    passes no gradient back, so it stays zero: when a layer has no live units left, every state gets
+    the same Q-values."""
+
+    # The fixed batch holds the states at positions spread evenly over the buffer, taken at the
+    # first measure.
+    STATES = 256
 
     def __init__(self, net, buffer):
         self.net, self.buffer, self.states = net, buffer, None
@@ -316,24 +368,26 @@ class NetworkHealth:
 
     @torch.no_grad()
     def measure(self):
-        """Scalars by name: for the k-th ReLU layer the share of its units zero on every state (reluk/dead_units)
-        and of its activations above zero (reluk/active); the Q-values' standard deviation over the states,
-        averaged over the actions (q_spread)."""
+        """Scalars by name: for the k-th ReLU layer the share of its units zero on every state
+        (reluk/dead_units) and of its activations above zero (reluk/active); the Q-values' standard
+        deviation over the states, averaged over the actions (q_spread)."""
         if self.states is None:
-            count = min(self.STATES, len(self.buffer))   # distinct positions, at least 1 apart
+            count = min(self.STATES, len(self.buffer))  # distinct positions, at least 1 apart
             positions = np.linspace(0, len(self.buffer) - 1, count).astype(np.int64)
             device = next(self.net.parameters()).device
             self.states = torch.as_tensor(self.buffer.transitions(positions)[0], device=device)
         outputs = []
-        hooks = [relu.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-                 for relu in self.relus]
+        hooks = [
+            relu.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+            for relu in self.relus
+        ]
         q_values = self.net(self.states)
         for hook in hooks:
             hook.remove()
         scalars = {}
         for k, output in enumerate(outputs, start=1):
             fired = output > 0
-            unit_fired = fired.transpose(0, 1).flatten(1).any(dim=1)   # dimension 1 is the unit
+            unit_fired = fired.transpose(0, 1).flatten(1).any(dim=1)  # dimension 1 is the unit
             scalars[f"relu{k}/dead_units"] = 1 - unit_fired.float().mean().item()
             scalars[f"relu{k}/active"] = fired.float().mean().item()
         scalars["q_spread"] = q_values.std(dim=0, correction=0).mean().item()

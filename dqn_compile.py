@@ -2,6 +2,7 @@
 """DQN on Pong, compiled: dqn_fast.py with the replay buffer on the device, acting and the training
 step compiled by torch.compile (on the GPU replayed as CUDA graphs), and on the GPU the emulators
 playing while the GPU trains. What crosses between host and device, and when: docs/HOW.md."""
+
 import copy
 import functools
 import logging
@@ -21,14 +22,20 @@ PONG = dict(
     learning_rate=1e-4,
     batch_size=32,
     replay_size=100_000,
-    replay_start=10_000,      # frames played before the first training step
-    target_sync=1_000,        # training steps between target net syncs
+    replay_start=10_000,  # frames played before the first training step
+    target_sync=1_000,  # training steps between target net syncs
     epsilon_start=1.0,
     epsilon_final=0.02,
-    epsilon_frames=100_000,   # frames over which epsilon falls linearly to its final value
+    epsilon_frames=100_000,  # frames over which epsilon falls linearly to its final value
 )
-CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
-                epsilon_frames=5_000)   # learns in a minute
+CARTPOLE = dict(
+    PONG,
+    learning_rate=1e-3,
+    replay_size=10_000,
+    replay_start=1_000,
+    target_sync=200,
+    epsilon_frames=5_000,
+)  # learns in a minute
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 
 
@@ -38,13 +45,17 @@ class DQN(nn.Module):
 
     def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
-        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layer in fp32
+        self.bf16 = bf16  # mixed precision: the hidden layers in bfloat16, the output layer in fp32
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
-                nn.Flatten())
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1),
+                nn.ReLU(),
+                nn.Flatten(),
+            )
             hidden = 512
         else:
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
@@ -55,22 +66,25 @@ class DQN(nn.Module):
 
     def forward(self, x):
         """Q-values [batch, n_actions], in fp32, for a batch of observations."""
-        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        x = x.float() / 255 if x.dtype == torch.uint8 else x  # frames stay uint8 until here
         # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.hidden(self.body(x))
-        return self.out(hidden.float())   # in fp32: bf16 Q-values near 100 are 0.5 apart, argmax would tie
+        # The output is in fp32: bf16 Q-values near 100 are 0.5 apart, and argmax would tie.
+        return self.out(hidden.float())
 
 
 def epsilon_by_frame(params, frames):
-    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then flat."""
+    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then
+    flat."""
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
 @torch.no_grad()  # acting needs no graph
 def select_actions(net, states, epsilon):
-    """Epsilon-greedy actions for a batch of states, drawn on their device: no sync but the caller's."""
+    """Epsilon-greedy actions for a batch of states, drawn on their device: no sync but the
+    caller's."""
     q_vals = net(states)
     explore = torch.rand(len(states), device=states.device) < epsilon
     random_actions = torch.randint(q_vals.shape[1], (len(states),), device=states.device)
@@ -88,8 +102,8 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 def train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
-    """One optimizer step on the loss of batch_size transitions sampled on the device, as one function
-    for torch.compile; returns the loss."""
+    """One optimizer step on the loss of batch_size transitions sampled on the device, as one
+    function for torch.compile; returns the loss."""
     optimizer.zero_grad()
     loss = calc_loss_dqn(buffer.sample(batch_size), net, tgt_net, gamma, buffer.device)
     loss.backward()
@@ -99,40 +113,52 @@ def train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
 
 # ---------------------------------------------------------------- replay buffer on the device
 class DeviceReplayBuffer:
-    """common.ReplayBuffer's ring of one-step transitions, each frame stored once, as tensors on the device,
-    where the training step samples it: the host keeps the FrameIndex, a step's new frames and rows cross to
-    the device, no batch does."""
+    """common.ReplayBuffer's ring of one-step transitions, each frame stored once, as tensors on the
+    device, where the training step samples it: the host keeps the FrameIndex, a step's new frames
+    and rows cross to the device, no batch does."""
+
     COLUMNS = ("rows", *common.ReplayBuffer.ARRAYS)
 
     def __init__(self, capacity, obs_space, device):
         self.capacity, self.device = capacity, device
-        self.count = 0                          # transitions ever stored: the ring's position, on the host
+        self.count = 0  # transitions ever stored: the ring's position, on the host
         self.index = common.FrameIndex(capacity, obs_space)
         dtype = torch.as_tensor(obs_space.sample()).dtype
-        self.frames = torch.zeros((self.index.slots, *self.index.frame_shape), dtype=dtype, device=device)
+        self.frames = torch.zeros(
+            (self.index.slots, *self.index.frame_shape), dtype=dtype, device=device
+        )
         self.rows = torch.zeros(self.index.rows.shape, dtype=torch.int64, device=device)
         self.actions = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.rewards = torch.zeros(capacity, dtype=torch.float32, device=device)
         self.dones = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.size = torch.zeros((), dtype=torch.int64, device=device)   # the compiled step reads a tensor, not an int
+        # The compiled step reads a tensor, not an int.
+        self.size = torch.zeros((), dtype=torch.int64, device=device)
         for tensor in (self.frames, self.rows, self.actions, self.rewards, self.dones, self.size):
-            torch._dynamo.mark_static_address(tensor)   # a CUDA graph reads it in place: never copied in, never recompiled
+            # A CUDA graph reads each tensor in place: it is never copied in, never recompiled.
+            torch._dynamo.mark_static_address(tensor)
 
     def __len__(self):
         return min(self.count, self.capacity)
 
     def extend(self, exps):
-        """Store one step's experiences, overwriting the oldest: one copy to the device per array."""
+        """Store one step's experiences, overwriting the oldest: one copy to the device per
+        array."""
         if not exps:
             return
         pos = np.arange(self.count, self.count + len(exps)) % self.capacity
-        new = {}   # slot: frame, the last one placed there
+        new = {}  # slot: frame, the last one placed there
         for i, exp in zip(pos, exps):
             new.update(self.index.place(i, exp))
         if new:
-            self.frames[self._to_device(np.array(list(new)))] = self._to_device(np.stack(list(new.values())))
-        columns = (self.index.rows[pos], np.array([e.action for e in exps], dtype=np.int64),
-                   np.array([e.reward for e in exps], dtype=np.float32), np.array([e.last_state is None for e in exps]))
+            self.frames[self._to_device(np.array(list(new)))] = self._to_device(
+                np.stack(list(new.values()))
+            )
+        columns = (
+            self.index.rows[pos],
+            np.array([e.action for e in exps], dtype=np.int64),
+            np.array([e.reward for e in exps], dtype=np.float32),
+            np.array([e.last_state is None for e in exps]),
+        )
         idx = self._to_device(pos)
         for name, column in zip(self.COLUMNS, columns):
             getattr(self, name)[idx] = self._to_device(column)
@@ -140,25 +166,31 @@ class DeviceReplayBuffer:
         self.size.fill_(len(self))
 
     def _to_device(self, array):
-        """The array on the device, its copy queued: from pageable memory the driver stages it and returns,
-        with no wait for the GPU (pinning the array first costs more than the copy)."""
+        """The array on the device, its copy queued: from pageable memory the driver stages it and
+        returns, with no wait for the GPU (pinning the array first costs more than the copy)."""
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def state_dict(self):
-        """The filled part as CPU tensors, each its own storage (torch.save writes no more): the rows, the store
-        of frames up to its highest slot in use, the other columns; and the count."""
+        """The filled part as CPU tensors, each its own storage (torch.save writes no more): the
+        rows, the store of frames up to its highest slot in use, the other columns; and the
+        count."""
         n = len(self)
-        filled = {name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS}
+        filled = {
+            name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS
+        }
         slots = int(self.index.rows[:n].max(initial=0)) + 1
-        return dict(filled, frames=torch.from_numpy(self.frames[:slots].cpu().numpy()), count=self.count)
+        return dict(
+            filled, frames=torch.from_numpy(self.frames[:slots].cpu().numpy()), count=self.count
+        )
 
     def load_state_dict(self, state):
-        """Copy a state_dict's tensors into this buffer's own, where the compiled step reads them."""
+        """Copy a state_dict's tensors into this buffer's own, where the compiled step reads
+        them."""
         self.count = state["count"]
         self.index.load(state["rows"].numpy(), state["frames"])
-        self.frames[:len(state["frames"])] = state["frames"].to(self.device)
+        self.frames[: len(state["frames"])] = state["frames"].to(self.device)
         for name in self.COLUMNS:
-            getattr(self, name)[:len(self)] = state[name].to(self.device)
+            getattr(self, name)[: len(self)] = state[name].to(self.device)
         self.size.fill_(len(self))
 
     def sample(self, batch_size):
@@ -166,11 +198,13 @@ class DeviceReplayBuffer:
         return self.transitions((torch.rand(batch_size, device=self.device) * self.size).long())
 
     def transitions(self, idx):
-        """(states, actions, rewards, dones, last_states) at these indices, as common.ReplayBuffer.sample
-        gives them: a next state is its state's frames but the oldest, and its own newest."""
+        """(states, actions, rewards, dones, last_states) at these indices, as
+        common.ReplayBuffer.sample gives them: a next state is its state's frames but the oldest,
+        and its own newest."""
         rows = self.rows[idx]
         states = self.frames[rows[:, :-1]]
-        # compiled, copying 3 of the states' frames beats a second gather of 4 (on the CPU a step in 0.75 of the time)
+        # Compiled, copying 3 of the states' frames beats a second gather of 4 (on the CPU a step in
+        # 0.75 of the time).
         last_states = torch.cat([states[:, 1:], self.frames[rows[:, -1:]]], dim=1)
         if not self.index.stacked:
             states, last_states = states[:, 0], last_states[:, 0]
@@ -178,9 +212,11 @@ class DeviceReplayBuffer:
 
 
 class CUDAGraphStep:
-    """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the first
-    WARMUP_CALLS calls run it on a side stream, the next records it, each one after replays it: the whole
-    training step in one launch, where mode="reduce-overhead" splits it around the backward (docs/HOW.md)."""
+    """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the
+    first WARMUP_CALLS calls run it on a side stream, the next records it, each one after replays
+    it: the whole training step in one launch, where mode="reduce-overhead" splits it around the
+    backward (docs/HOW.md)."""
+
     WARMUP_CALLS = 3
 
     def __init__(self, fn, *args):
@@ -189,19 +225,19 @@ class CUDAGraphStep:
 
     def __call__(self):
         self.calls += 1
-        if self.calls <= self.WARMUP_CALLS:   # each one a real step
+        if self.calls <= self.WARMUP_CALLS:  # each one a real step
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self.out = self.fn(*self.args)
             torch.cuda.current_stream().wait_stream(side)
             return self.out
-        if self.graph is None:                # recording runs nothing: the replay below takes the step
+        if self.graph is None:  # recording runs nothing: the replay below takes the step
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.out = self.fn(*self.args)
         self.graph.replay()
-        return self.out                       # the graph's output: each replay overwrites it
+        return self.out  # the graph's output: each replay overwrites it
 
 
 def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
@@ -213,21 +249,27 @@ def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
 
 
 def compile_or_exit(parser, fn, mode, probe_args):
-    """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile (no C++
-    compiler, a Python this torch cannot compile for) the run stops now, with one line naming dqn_fast.py."""
-    torch._logging.set_logs(dynamo=logging.ERROR)   # the compiler's notices of its own choices stay unprinted
+    """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile
+    (no C++ compiler, a Python this torch cannot compile for) the run stops now, with one line
+    naming dqn_fast.py."""
+    # The compiler's notices of its own choices stay unprinted.
+    torch._logging.set_logs(dynamo=logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
-        compiled = torch.compile(fn, mode=mode)   # raises at once on a Python that torch cannot compile
+        # This raises at once on a Python that torch cannot compile.
+        compiled = torch.compile(fn, mode=mode)
         compiled(*probe_args)
     except Exception as e:  # whatever the compiler raised: its first line says why
-        parser.error(f"torch.compile fails here ({str(e).strip().splitlines()[0]}); dqn_fast.py runs without it")
+        parser.error(
+            f"torch.compile fails here ({str(e).strip().splitlines()[0]}); "
+            "dqn_fast.py runs without it"
+        )
     return compiled
 
 
 def set_capturable(optimizer, device):
-    """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only on an
-    empty state: a state restored by --resume keeps those of the device it was saved on."""
+    """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only
+    on an empty state: a state restored by --resume keeps those of the device it was saved on."""
     for group in optimizer.param_groups:
         group["capturable"] = device.type == "cuda"
     for state in optimizer.state.values():
@@ -236,43 +278,64 @@ def set_capturable(optimizer, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
+    parser.add_argument(
+        "--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)"
+    )
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     if args.cuda:
-        torch.set_float32_matmul_precision("high")   # fp32 matmuls on TF32 tensor cores, as convolutions already are
+        # fp32 matmuls run on TF32 tensor cores, as convolutions already do.
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     env = common.make_fast_env(args.env, args.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
-    mode = "reduce-overhead" if args.cuda else None  # on the GPU, acting's kernels replay as one CUDA graph
+    # On the GPU, acting's kernels replay as one CUDA graph.
+    mode = "reduce-overhead" if args.cuda else None
     epsilon = torch.tensor(epsilon_by_frame(params, 0), device=device)
-    torch._dynamo.mark_static_address(epsilon)   # changed in place: the compiled acting reads it where it is
-    states = torch.as_tensor(env.observation_space.sample(), device=device)   # a batch of N states
-    act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])   # compiled by a first call
+    # Epsilon is changed in place: the compiled acting reads it where it is.
+    torch._dynamo.mark_static_address(epsilon)
+    states = torch.as_tensor(env.observation_space.sample(), device=device)  # a batch of N states
+    # Acting is compiled by a first call.
+    act = compile_or_exit(parser, select_actions, mode, [net, states, epsilon])
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
-    # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
-    step = compile_train_step(buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma)
-    # on the GPU, ale-py's envs play the next step in their own threads while the GPU trains on this one
+    # A step of N envs brings N frames: 32 * N samples keep 32 samples per frame.
+    step = compile_train_step(
+        buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma
+    )
+    # On the GPU, ale-py's envs play the next step in their own threads while the GPU trains on this
+    # one.
     overlap = args.cuda and hasattr(env, "send")
     exp_source = common.ExperienceSourceFirstLast(
-        env, lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
-        params.gamma, seed=args.seed, overlap=overlap)
+        env,
+        lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
+        params.gamma,
+        seed=args.seed,
+        overlap=overlap,
+    )
     tracker = runs.RewardTracker(args, net, env)
-    health = common.NetworkHealth(net, buffer)   # are the ReLUs still firing
-    train_steps = 0   # over the whole run: the target net syncs every target_sync of them
+    health = common.NetworkHealth(net, buffer)  # are the ReLUs still firing
+    train_steps = 0  # over the whole run: the target net syncs every target_sync of them
 
-    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
-        return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
-                    exp_source=exp_source, train_steps=train_steps)
+    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
+        return dict(
+            net=net,
+            tgt_net=tgt_net,
+            optimizer=optimizer,
+            buffer=buffer,
+            tracker=tracker,
+            exp_source=exp_source,
+            train_steps=train_steps,
+        )
 
-    if args.resume:   # go on where the stopped run was: its states, random generators and counters
+    if args.resume:  # go on where the stopped run was: its states, random generators and counters
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         train_steps = counters["train_steps"]
-        epsilon.fill_(epsilon_by_frame(params, exp_source.frames))   # the first step acts at the run's
-    set_capturable(optimizer, device)   # after a restore, before the first compiled step
+        # The first step acts at the resumed run's epsilon.
+        epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
+    set_capturable(optimizer, device)  # after a restore, before the first compiled step
 
     with runs.Run(args, tracker, checkpoint_contents) as run:
         for exps in exp_source:
@@ -289,5 +352,5 @@ if __name__ == "__main__":
             tracker.record_step(loss=loss, epsilon=epsilon)
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-                tracker.record_health(health.measure())   # a forward pass of 256 states
+                tracker.record_health(health.measure())  # a forward pass of 256 states
     sys.exit(run.exit_code)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """DQN on Pong, faster: no gradient where none is needed, and several envs stepped as one batch
 by ale-py's C++ vector env. How a step of N envs trains: docs/HOW.md."""
+
 import copy
 import sys
 
@@ -18,14 +19,20 @@ PONG = dict(
     learning_rate=1e-4,
     batch_size=32,
     replay_size=100_000,
-    replay_start=10_000,      # frames played before the first training step
-    target_sync=1_000,        # training steps between target net syncs
+    replay_start=10_000,  # frames played before the first training step
+    target_sync=1_000,  # training steps between target net syncs
     epsilon_start=1.0,
     epsilon_final=0.02,
-    epsilon_frames=100_000,   # frames over which epsilon falls linearly to its final value
+    epsilon_frames=100_000,  # frames over which epsilon falls linearly to its final value
 )
-CARTPOLE = dict(PONG, learning_rate=1e-3, replay_size=10_000, replay_start=1_000, target_sync=200,
-                epsilon_frames=5_000)   # learns in a minute
+CARTPOLE = dict(
+    PONG,
+    learning_rate=1e-3,
+    replay_size=10_000,
+    replay_start=1_000,
+    target_sync=200,
+    epsilon_frames=5_000,
+)  # learns in a minute
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 
 
@@ -35,13 +42,17 @@ class DQN(nn.Module):
 
     def __init__(self, obs_shape, n_actions, bf16=False):
         super().__init__()
-        self.bf16 = bf16   # mixed precision: the hidden layers in bfloat16, the output layer in fp32
+        self.bf16 = bf16  # mixed precision: the hidden layers in bfloat16, the output layer in fp32
         if len(obs_shape) == 3:
             self.body = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
-                nn.Flatten())
+                nn.Conv2d(obs_shape[0], 32, kernel_size=8, stride=4),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, kernel_size=4, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, kernel_size=3, stride=1),
+                nn.ReLU(),
+                nn.Flatten(),
+            )
             hidden = 512
         else:
             self.body = nn.Sequential(nn.Linear(obs_shape[0], 128), nn.ReLU())
@@ -52,21 +63,24 @@ class DQN(nn.Module):
 
     def forward(self, x):
         """Q-values [batch, n_actions], in fp32, for a batch of observations."""
-        x = x.float() / 255 if x.dtype == torch.uint8 else x   # frames stay uint8 until here
+        x = x.float() / 255 if x.dtype == torch.uint8 else x  # frames stay uint8 until here
         # entered at every call, so autocast's cached bf16 weights never outlive an optimizer step
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.hidden(self.body(x))
-        return self.out(hidden.float())   # in fp32: bf16 Q-values near 100 are 0.5 apart, argmax would tie
+        # The output is in fp32: bf16 Q-values near 100 are 0.5 apart, and argmax would tie.
+        return self.out(hidden.float())
 
 
 def epsilon_by_frame(params, frames):
-    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then flat."""
+    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then
+    flat."""
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
 class DQNAgent:
-    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers epsilon."""
+    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers
+    epsilon."""
 
     def __init__(self, net, epsilon, device):
         self.net, self.epsilon, self.device = net, epsilon, device
@@ -92,7 +106,9 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)")
+    parser.add_argument(
+        "--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)"
+    )
     args, params = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
@@ -105,17 +121,25 @@ if __name__ == "__main__":
     agent = DQNAgent(net, epsilon_by_frame(params, 0), device)
     exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
     tracker = runs.RewardTracker(args, net, env)
-    health = common.NetworkHealth(net, buffer)   # are the ReLUs still firing
-    train_steps = 0   # over the whole run: the target net syncs every target_sync of them
+    health = common.NetworkHealth(net, buffer)  # are the ReLUs still firing
+    train_steps = 0  # over the whole run: the target net syncs every target_sync of them
 
-    def checkpoint_contents():   # what a checkpoint holds, and --resume restores
-        return dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker,
-                    exp_source=exp_source, train_steps=train_steps)
+    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
+        return dict(
+            net=net,
+            tgt_net=tgt_net,
+            optimizer=optimizer,
+            buffer=buffer,
+            tracker=tracker,
+            exp_source=exp_source,
+            train_steps=train_steps,
+        )
 
-    if args.resume:   # go on where the stopped run was: its states, random generators and counters
+    if args.resume:  # go on where the stopped run was: its states, random generators and counters
         counters = runs.restore(args.resume, checkpoint_contents(), device)
         train_steps = counters["train_steps"]
-        agent.epsilon = epsilon_by_frame(params, exp_source.frames)   # the first step acts at the run's
+        # The first step acts at the resumed run's epsilon.
+        agent.epsilon = epsilon_by_frame(params, exp_source.frames)
 
     with runs.Run(args, tracker, checkpoint_contents) as run:
         for exps in exp_source:
@@ -129,7 +153,7 @@ if __name__ == "__main__":
             if len(buffer) < params.replay_start:
                 continue
             optimizer.zero_grad()
-            # one step of N envs brings N frames: train on 32 * N samples, so samples per frame stay 32
+            # A step of N envs brings N frames: 32 * N samples keep 32 samples per frame.
             batch = buffer.sample(params.batch_size * args.envs)
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
@@ -138,5 +162,5 @@ if __name__ == "__main__":
             tracker.record_step(loss=loss, epsilon=agent.epsilon)
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
-                tracker.record_health(health.measure())   # a forward pass of 256 states
+                tracker.record_health(health.measure())  # a forward pass of 256 states
     sys.exit(run.exit_code)

@@ -7,6 +7,7 @@ each score and, last, one JSON line (episodes, mean, min, max); --show plays it 
 A3C agents sample their actions as they did in training: the scores are those of the policy that
 was trained and measured, not of its most likely action, a different policy that training never
 played."""
+
 import importlib
 import json
 import os
@@ -34,11 +35,18 @@ def load_checkpoint(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a file that is not a checkpoint
         raise ValueError(f"{path} is not a checkpoint: {type(error).__name__}") from None
-    missing = [key for key in CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
+    missing = [
+        key for key in CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: not a best.pt saved by these scripts")
-    if not os.path.isfile(os.path.join(HERE, f"{checkpoint['script']}.py")) or checkpoint["env"] not in common.ENV_IDS:
-        raise ValueError(f"{path} was saved by {checkpoint['script']} on {checkpoint['env']}, unknown here")
+    if (
+        not os.path.isfile(os.path.join(HERE, f"{checkpoint['script']}.py"))
+        or checkpoint["env"] not in common.ENV_IDS
+    ):
+        raise ValueError(
+            f"{path} was saved by {checkpoint['script']} on {checkpoint['env']}, unknown here"
+        )
     return checkpoint
 
 
@@ -46,12 +54,19 @@ def build_agent(checkpoint, device):
     """The trained network, rebuilt by its script, and a function from states to actions."""
     script = importlib.import_module(checkpoint["script"])
     is_dqn = hasattr(script, "DQN")
-    net = (script.DQN if is_dqn else script.A2C)(checkpoint["obs_shape"], checkpoint["n_actions"],
-                                                 checkpoint.get("bf16", False))   # at its training precision
+    net = (script.DQN if is_dqn else script.A2C)(
+        checkpoint["obs_shape"],
+        checkpoint["n_actions"],
+        # The net is built at its training precision.
+        checkpoint.get("bf16", False),
+    )
     try:
         net.load_state_dict(checkpoint["state_dict"])
-    except RuntimeError:  # saved by an older version of the script, whose layers were named otherwise
-        raise ValueError(f"its weights do not fit the network of {checkpoint['script']}.py as it is now") from None
+    except RuntimeError:
+        # It was saved by an older version of the script, whose layers were named otherwise.
+        raise ValueError(
+            f"its weights do not fit the network of {checkpoint['script']}.py as it is now"
+        ) from None
     net.to(device).eval()
     if is_dqn:
         return lambda states: greedy_actions(net, states, device)
@@ -65,7 +80,8 @@ def greedy_actions(net, states, device):
 
 
 def play(env, agent, episodes, seed, frames=None):
-    """Scores of the given number of episodes; frames, if a list, gets the first one's RGB frames."""
+    """Scores of the given number of episodes; frames, if a list, gets the first one's RGB
+    frames."""
     scores, score = [], 0.0
     states, _ = env.reset(seed=seed)
     while len(scores) < episodes:
@@ -82,17 +98,17 @@ def play(env, agent, episodes, seed, frames=None):
 
 
 def frame_ms(env_name, env):
-    """How long the game shows one agent step, in milliseconds, rounded to the hundredths of a second
-    that GIF counts: an Atari console draws 60 frames a second and an agent step is 4 of them (67 ms,
-    so 70); other envs give their pace in their metadata (CartPole: 50 a second, 20 ms)."""
+    """How long the game shows one agent step, in milliseconds, rounded to the hundredths of a
+    second that GIF counts: an Atari console draws 60 frames a second and an agent step is 4 of them
+    (67 ms, so 70); other envs give their pace in their metadata (CartPole: 50 a second, 20 ms)."""
     if common.atari_game(env_name):
         return round(100 * common.FRAME_SKIP / 60) * 10
     return round(100 / env.metadata["render_fps"]) * 10
 
 
 def has_display():
-    """Whether a window can open: on macOS and Windows taken to be so, elsewhere where an X or Wayland
-    display is set (or SDL, which draws the window, is told which video driver to use)."""
+    """Whether a window can open: on macOS and Windows taken to be so, elsewhere where an X or
+    Wayland display is set (or SDL, which draws the window, is told which video driver to use)."""
     if sys.platform in ("darwin", "win32"):
         return True
     return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER"))
@@ -106,26 +122,39 @@ def save_gif(frames, file, ms):
 
 if __name__ == "__main__":
     parser = runs.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt")
-    parser.add_argument("--episodes", type=runs.positive_int, default=10, help="episodes to play (default: 10)")
+    parser.add_argument(
+        "checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run folder, or its best.pt"
+    )
+    parser.add_argument(
+        "--episodes", type=runs.positive_int, default=10, help="episodes to play (default: 10)"
+    )
     watch = parser.add_mutually_exclusive_group()
     watch.add_argument("--show", action="store_true", help="play in a window, at the game's pace")
-    watch.add_argument("--record", metavar="FILE.gif", help="write the first episode as an animated GIF")
-    parser.add_argument("--seed", type=runs.seed_int, default=10 ** 6,
-                        help="seed of the env and of sampled actions (default: 1000000, far from "
-                             "the seeds of training, which start at --seed 0)")
+    watch.add_argument(
+        "--record", metavar="FILE.gif", help="write the first episode as an animated GIF"
+    )
+    parser.add_argument(
+        "--seed",
+        type=runs.seed_int,
+        default=10**6,
+        help="seed of the env and of sampled actions (default: 1000000, far from "
+        "the seeds of training, which start at --seed 0)",
+    )
     parser.add_argument("--cuda", action="store_true", help="run the network on the GPU")
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
     if args.show and not has_display():
-        parser.error("--show needs a display and this machine has none ($DISPLAY is unset): "
-                     "--record FILE.gif writes the game to a file instead")
+        parser.error(
+            "--show needs a display and this machine has none ($DISPLAY is unset): "
+            "--record FILE.gif writes the game to a file instead"
+        )
     try:
         checkpoint = load_checkpoint(args.checkpoint)
         render_mode = "human" if args.show else "rgb_array" if args.record else None
         env = common.make_python_env(checkpoint["env"], render_mode=render_mode)
-        gif = open(args.record, "wb") if args.record else None  # an unwritable file fails now, not after playing
+        # An unwritable file fails now, not after playing.
+        gif = open(args.record, "wb") if args.record else None
     except (ValueError, gym.error.DependencyNotInstalled) as error:
         parser.error(str(error))
     except OSError as error:
@@ -145,5 +174,13 @@ if __name__ == "__main__":
     if gif:
         save_gif(frames, gif, frame_ms(checkpoint["env"], env))
         gif.close()
-    print(json.dumps({"episodes": len(scores), "mean": float(np.mean(scores)),
-                      "min": min(scores), "max": max(scores)}))
+    print(
+        json.dumps(
+            {
+                "episodes": len(scores),
+                "mean": float(np.mean(scores)),
+                "min": min(scores),
+                "max": max(scores),
+            }
+        )
+    )

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Learning curves: the mean reward of the last 100 episodes of each run, against frames or
 run minutes, one line per run labelled by its script and name, with the stop reward dashed."""
+
 import os
 import re
 import sys
 
 import matplotlib
+
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter  # noqa: E402
@@ -30,27 +32,37 @@ def load_curve(run_dir, x):
     points = events.Scalars("episodes/avg_reward")
     if x == "frames":
         xs = [p.step for p in points]
-    elif "episodes/minutes" in events.Tags()["scalars"]:   # run time, summed over a resumed run's segments
+    # Run time is summed over a resumed run's segments.
+    elif "episodes/minutes" in events.Tags()["scalars"]:
         xs = [p.value for p in events.Scalars("episodes/minutes")]
-    else:   # runs logged before run minutes were: wall time from the first event
+    else:  # runs logged before run minutes were: wall time from the first event
         start = events.FirstEventTimestamp()
         xs = [(p.wall_time - start) / 60 for p in points]
     return os.path.basename(os.path.normpath(run_dir)), xs, [p.value for p in points]
 
 
 def marks_table(run_dir, marks):
-    """A markdown table of a run's curve at each mark (frames): the mean of the first game that ended at
-    or past it and the run minutes then, and in the last column the run's last game."""
+    """A markdown table of a run's curve at each mark (frames): the mean of the first game that
+    ended at or past it and the run minutes then, and in the last column the run's last game."""
     _, frames, means = load_curve(run_dir, "frames")
     minutes = load_curve(run_dir, "minutes")[1]
-    columns = [next(i for i, f in enumerate(frames) if f >= mark) for mark in marks if mark <= frames[-1]]
+    columns = [
+        next(i for i, f in enumerate(frames) if f >= mark) for mark in marks if mark <= frames[-1]
+    ]
     columns.append(len(frames) - 1)
     last = len(columns) - 1
 
-    header = [f"{mark / 1e6:.2f}".removesuffix("0") + "M" for mark in marks[:last]] + [f"{frames[-1] / 1e6:.2f}M"]
-    rows = [["frames", *header],
-            ["mean reward of the last 100 games", *(f"{means[i]:+.{2 if k == last else 1}f}" for k, i in enumerate(columns))],
-            ["run minutes", *(f"{minutes[i]:.1f}" for i in columns)]]
+    header = [f"{mark / 1e6:.2f}".removesuffix("0") + "M" for mark in marks[:last]] + [
+        f"{frames[-1] / 1e6:.2f}M"
+    ]
+    rows = [
+        ["frames", *header],
+        [
+            "mean reward of the last 100 games",
+            *(f"{means[i]:+.{2 if k == last else 1}f}" for k, i in enumerate(columns)),
+        ],
+        ["run minutes", *(f"{minutes[i]:.1f}" for i in columns)],
+    ]
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines[:1] + ["|---|" + "---:|" * len(columns)] + lines[1:])
 
@@ -72,22 +84,41 @@ def styles(count):
     """A colour and line style for each of count curves, no two alike: the colour cycle's ten
     colours solid, then again dashed, dotted, dash-dotted."""
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return [{"color": colors[i % len(colors)], "linestyle": ("-", "--", ":", "-.")[i // len(colors) % 4]}
-            for i in range(count)]
+    return [
+        {
+            "color": colors[i % len(colors)],
+            "linestyle": ("-", "--", ":", "-.")[i // len(colors) % 4],
+        }
+        for i in range(count)
+    ]
 
 
 if __name__ == "__main__":
     parser = runs.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders under runs/")
-    parser.add_argument("-o", "--output", default="reward.png", metavar="FILE.png",
-                        help="where to write the plot (default: reward.png)")
-    parser.add_argument("--x", choices=["frames", "minutes"], default="frames", help="x axis (default: frames)")
-    parser.add_argument("--table", nargs="+", type=mark, metavar="FRAMES",
-                        help="print each run's table at these frames (0.5M, 200k) and its last game, and no plot")
+    parser.add_argument(
+        "-o",
+        "--output",
+        default="reward.png",
+        metavar="FILE.png",
+        help="where to write the plot (default: reward.png)",
+    )
+    parser.add_argument(
+        "--x", choices=["frames", "minutes"], default="frames", help="x axis (default: frames)"
+    )
+    parser.add_argument(
+        "--table",
+        nargs="+",
+        type=mark,
+        metavar="FRAMES",
+        help="print each run's table at these frames (0.5M, 200k) and its last game, and no plot",
+    )
     args = parser.parse_args()
     try:
         if args.table:
-            print("\n\n".join(marks_table(run_dir, sorted(args.table)) for run_dir in args.run_dirs))
+            print(
+                "\n\n".join(marks_table(run_dir, sorted(args.table)) for run_dir in args.run_dirs)
+            )
             sys.exit(0)
         curves = [load_curve(run_dir, args.x) for run_dir in args.run_dirs]
         output = open(args.output, "wb")
@@ -99,7 +130,8 @@ if __name__ == "__main__":
     folders = [folder for folder, _, _ in curves]
     for label, style, (_, xs, ys) in zip(labels(folders), styles(len(curves)), curves):
         ax.plot(xs, ys, label=label, **style)
-    envs = {part for folder in folders for part in folder.split("-")[1:2]}  # runs/<script>-<env>-...
+    # Run folders are named runs/<script>-<env>-...
+    envs = {part for folder in folders for part in folder.split("-")[1:2]}
     for env in sorted(envs & common.STOP_REWARDS.keys()):
         ax.axhline(common.STOP_REWARDS[env], color="grey", linestyle="--", label=f"{env} solved")
     if args.x == "frames":
@@ -107,7 +139,8 @@ if __name__ == "__main__":
     ax.set_xlabel("frames" if args.x == "frames" else "run minutes")
     ax.set_ylabel("mean reward, last 100 episodes")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")   # beside the curves, never on them
+    # The legend goes beside the curves, never on them.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     fig.savefig(output, format="png", dpi=100)
     output.close()

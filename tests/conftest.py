@@ -1,5 +1,6 @@
 """Plain `pytest` runs the fast tests; `pytest --all` adds those marked slow (learning CartPole,
 the whole stop and signal matrix, Pong and torchrun runs, play and plot on a trained run)."""
+
 import os
 import re
 import runpy
@@ -12,12 +13,20 @@ import types
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# two tests run at once (pytest.ini): the scripts they start compute on one thread each, as under torchrun
+# Two tests run at once (pytest.ini): the scripts they start compute on one thread each, as under
+# torchrun.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took in
-# docs/RESULTS.md's records (DQN 25.8k, A3C 298k)
-BUDGET = {"dqn_baseline": 50_000, "dqn_fast": 50_000, "dqn_mp": 50_000, "dqn_compile": 50_000,
-          "a3c_data": 600_000, "a3c_grad": 600_000, "a3c_dist": 600_000}
+# The frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took
+# in docs/RESULTS.md's records (DQN 25.8k, A3C 298k).
+BUDGET = {
+    "dqn_baseline": 50_000,
+    "dqn_fast": 50_000,
+    "dqn_mp": 50_000,
+    "dqn_compile": 50_000,
+    "a3c_data": 600_000,
+    "a3c_grad": 600_000,
+    "a3c_dist": 600_000,
+}
 
 
 def pytest_addoption(parser):
@@ -39,10 +48,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """Every test starts with SIGINT as a terminal gives it, and leaves SIGINT and SIGTERM as it found
-    them. A process that a test starts inherits an ignored SIGINT, and Python in it then raises no
-    KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest with SIGINT
-    ignored, and a Run that a test runs in this process ignores both signals at its exit."""
+    """Every test starts with SIGINT as a terminal gives it, and leaves SIGINT and SIGTERM as it
+    found them. A process that a test starts inherits an ignored SIGINT, and Python in it then
+    raises no KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest
+    with SIGINT ignored, and a Run that a test runs in this process ignores both signals at its
+    exit."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
@@ -62,8 +72,8 @@ def hooked_env(tmp_path, hook, env=None):
 
 # --cuda's lines on a CPU, for a test's processes: a "cuda" device is the CPU, there is one GPU, its
 # generator is torch's, page_lock checks that it is given a shared CPU tensor, torch.compile traces
-# and runs as on a CPU (where it records no CUDA graph), and $RL_TEST_EAGER leaves it out. What only a
-# GPU runs stays untested here: CUDA graphs, page-locked and non-blocking copies (docs/HOW.md)
+# and runs as on a CPU (where it records no CUDA graph), and $RL_TEST_EAGER leaves it out. What only
+# a GPU runs stays untested here: CUDA graphs, page-locked and non-blocking copies (docs/HOW.md).
 CUDA_STANDIN_HOOK = """
 import os
 import torch
@@ -84,7 +94,8 @@ torch.cuda.set_device = lambda device: None
 torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
 torch.cuda.set_rng_state = lambda state, device="cuda": None
 _compile = torch.compile
-class StandInCompiled(torch.nn.Module):   # torch.compile's, traced and run as on a CPU, where it sees no GPU
+class StandInCompiled(\
+torch.nn.Module):   # torch.compile's, traced and run as on a CPU, where it sees no GPU
     def __init__(self, fn, **kwargs):
         super().__init__()
         self.compiled = _compile(fn, **kwargs)   # a module's parameters are this one's too
@@ -103,8 +114,8 @@ processes.page_lock = page_lock
 
 
 def our_lines(err):
-    """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever warnings
-    a library prints around them; a traceback fails the test."""
+    """The lines of stderr that the project's code wrote ("script.py: error: ..."), whatever
+    warnings a library prints around them; a traceback fails the test."""
     assert "Traceback" not in err, err
     return [line for line in err.splitlines() if re.match(r"\w+\.py: ", line)]
 
@@ -118,36 +129,53 @@ def free_port():
 
 @pytest.fixture(scope="session")
 def bf16_solve(tmp_path_factory):
-    """A script's CartPole run from seed 1 with --bf16 within its BUDGET, made once a session and shared:
-    test_scripts judges its learning, test_play_plot plays and plots dqn_compile's. Returns (exit code,
-    stdout, stderr, the folder it ran in)."""
+    """A script's CartPole run from seed 1 with --bf16 within its BUDGET, made once a session and
+    shared: test_scripts judges its learning, test_play_plot plays and plots dqn_compile's. Returns
+    (exit code, stdout, stderr, the folder it ran in)."""
     made = {}
 
     def solve(script):
         if script not in made:
             cwd = tmp_path_factory.mktemp(f"{script}-bf16")
-            proc = subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed",
-                                   "1", "--max-frames", str(BUDGET[script]), "--bf16"], cwd=cwd, capture_output=True,
-                                  text=True, timeout=900)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(REPO, f"{script}.py"),
+                    "--env",
+                    "cartpole",
+                    "--seed",
+                    "1",
+                    "--max-frames",
+                    str(BUDGET[script]),
+                    "--bf16",
+                ],
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             made[script] = (proc.returncode, proc.stdout, proc.stderr, cwd)
         return made[script]
+
     return solve
 
 
 @pytest.fixture
 def run_main(monkeypatch):
-    """Run a script's command line in this process, as `python script.py ARGS` would; returns its exit
-    code (0 when it returns without sys.exit)."""
+    """Run a script's command line in this process, as `python script.py ARGS` would; returns its
+    exit code (0 when it returns without sys.exit)."""
+
     def run(script, *args):
         path = os.path.join(REPO, f"{script}.py")
         monkeypatch.setattr(sys, "argv", [path, *args])
-        if "runs" in sys.modules:   # a fresh process starts with no stop asked
+        if "runs" in sys.modules:  # a fresh process starts with no stop asked
             monkeypatch.setattr(sys.modules["runs"], "stop_signal", None)
         try:
             runpy.run_path(path, run_name="__main__")
         except SystemExit as exit_info:
             return exit_info.code
         return 0
+
     return run
 
 
@@ -160,6 +188,7 @@ def in_process(run_main, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("the script went past its checks")
+
     monkeypatch.setattr(common, "make_fast_env", refuse)
     monkeypatch.setattr(common, "make_python_env", refuse)
     return run_main
@@ -172,6 +201,16 @@ def fake_shm_free(monkeypatch):
 
     def fake(free):
         blocks = free // 4096
-        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(
-            f_bavail=blocks, f_bfree=blocks, f_blocks=blocks, f_frsize=4096) if path == "/dev/shm" else statvfs(path))
+        monkeypatch.setattr(
+            os,
+            "statvfs",
+            lambda path: (
+                types.SimpleNamespace(
+                    f_bavail=blocks, f_bfree=blocks, f_blocks=blocks, f_frsize=4096
+                )
+                if path == "/dev/shm"
+                else statvfs(path)
+            ),
+        )
+
     return fake

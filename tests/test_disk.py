@@ -2,6 +2,7 @@
 whose disk fills keeps what it had (the checkpoint before, best.pt whole), says so in one line and
 reports its outcome; a resumed run holds no mapping of the checkpoint it replaced. The faults are
 made for real: a small or read-only tmpfs at runs/, in a user and mount namespace (Linux)."""
+
 import json
 import os
 import re
@@ -20,9 +21,9 @@ SCRIPT = [sys.executable, os.path.join(REPO, "dqn_fast.py"), "--env", "cartpole"
 
 
 def on_small_disk(kib, command, read_only=False, copy=None):
-    """The command line that runs command with runs/ a tmpfs of kib KiB of its own (holding a copy of
-    the folder copy, if given; read-only, if asked), in a user and mount namespace; None where that
-    cannot be made."""
+    """The command line that runs command with runs/ a tmpfs of kib KiB of its own (holding a copy
+    of the folder copy, if given; read-only, if asked), in a user and mount namespace; None where
+    that cannot be made."""
     mount = f"mkdir -p runs && mount -t tmpfs -o size={kib}k tmpfs runs"
     if copy:
         mount += f" && cp -r {copy} runs/"
@@ -30,14 +31,17 @@ def on_small_disk(kib, command, read_only=False, copy=None):
         mount += " && mount -o remount,ro runs"
     wrapped = ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$@"', "sh", *command]
     try:
-        probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True
+        )
     except OSError:
         return None
     return wrapped if probe.returncode == 0 else None
 
 
 def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None):
-    """Run dqn_fast on CartPole with args, runs/ a small disk; returns (exit code, stdout, stderr)."""
+    """Run dqn_fast on CartPole with args, runs/ a small disk; returns (exit code, stdout,
+    stderr)."""
     command = on_small_disk(kib, [*SCRIPT, *args], read_only, copy)
     if command is None:
         pytest.skip("no user and mount namespaces here (unshare -rm)")
@@ -50,11 +54,17 @@ def summary(out):
 
 
 def made_run(where, frames):
-    """A run of dqn_fast on CartPole stopped at frames, made in the folder where on the ordinary disk:
-    its run folder and its summary."""
+    """A run of dqn_fast on CartPole stopped at frames, made in the folder where on the ordinary
+    disk: its run folder and its summary."""
     where.mkdir(exist_ok=True)
-    proc = subprocess.run([*SCRIPT, "--max-frames", str(frames)], cwd=where, capture_output=True, text=True,
-                          check=True, timeout=120)
+    proc = subprocess.run(
+        [*SCRIPT, "--max-frames", str(frames)],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     (folder,) = (where / "runs").iterdir()
     return folder, summary(proc.stdout)
 
@@ -67,71 +77,111 @@ def test_a_file_where_runs_should_be_stops_the_run_at_once_with_one_line(tmp_pat
     proc = subprocess.run([*SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = our_lines(proc.stderr)
-    assert re.fullmatch(r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ \(Not a directory\)", line)
+    assert re.fullmatch(
+        r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ \(Not a directory\)",
+        line,
+    )
 
 
 def test_a_read_only_runs_folder_stops_the_run_at_once_with_one_line(tmp_path):
     code, out, err = run_on_small_disk(tmp_path, 64, read_only=True)
     assert code == 2 and out == ""
     (line,) = our_lines(err)
-    assert re.fullmatch(r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ \(Read-only file system\)", line)
+    assert re.fullmatch(
+        r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ "
+        r"\(Read-only file system\)",
+        line,
+    )
 
 
 @pytest.mark.slow
 def test_resume_of_a_folder_on_a_read_only_disk_stops_at_once_with_one_line(tmp_path):
     folder, _ = made_run(tmp_path / "made", 300)
-    code, out, err = run_on_small_disk(tmp_path, 2048, "--resume", f"runs/{folder.name}", read_only=True,
-                                       copy=str(folder))
+    code, out, err = run_on_small_disk(
+        tmp_path, 2048, "--resume", f"runs/{folder.name}", read_only=True, copy=str(folder)
+    )
     assert code == 2 and out == ""
-    assert our_lines(err) == [f"dqn_fast.py: error: cannot write in runs/{folder.name} (Read-only file system)"]
+    assert our_lines(err) == [
+        f"dqn_fast.py: error: cannot write in runs/{folder.name} (Read-only file system)"
+    ]
 
 
 @pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_goes_on(tmp_path):
-    # a run past its first training step, its checkpoint (355 kB) holding Adam's moments, resumed on a disk
-    # of its folder's size and 160 KiB more: room for a new best.pt (72 kB) and the events (under 30 kB),
-    # never for a new checkpoint beside the old, which only grows (a run stopped before the first step
-    # writes one of 160 kB, which a small disk can hold or not, as the machine's speed has it)
+    # A run past its first training step, its checkpoint (355 kB) holding Adam's moments, resumed on
+    # a disk of its folder's size and 160 KiB more: room for a new best.pt (72 kB) and the events
+    # (under 30 kB), never for a new checkpoint beside the old, which only grows (a run stopped
+    # before the first step writes one of 160 kB, which a small disk can hold or not, as the
+    # machine's speed has it).
     folder, first = made_run(tmp_path / "made", 1200)
-    kib = sum(-(-path.stat().st_size // 4096) * 4 for path in folder.iterdir()) + 160   # in tmpfs pages
-    code, out, err = run_on_small_disk(tmp_path, kib, "--resume", f"runs/{folder.name}", "--max-frames", "5000",
-                                       "--checkpoint-minutes", "0.005", copy=str(folder))
+    # The size is counted in tmpfs pages.
+    kib = sum(-(-path.stat().st_size // 4096) * 4 for path in folder.iterdir()) + 160
+    code, out, err = run_on_small_disk(
+        tmp_path,
+        kib,
+        "--resume",
+        f"runs/{folder.name}",
+        "--max-frames",
+        "5000",
+        "--checkpoint-minutes",
+        "0.005",
+        copy=str(folder),
+    )
     lines = our_lines(err)
     assert code == 2 and len(lines) >= 2, err
-    for line in lines[:-1]:   # a try at each interval of 0.3 s, one line each; the run went on
-        assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
-                            r"stays, the run goes on and tries again after 0.3 s", line), line
+    for line in lines[:-1]:  # a try at each interval of 0.3 s, one line each; the run went on
+        assert re.fullmatch(
+            "dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
+            r"stays, the run goes on and tries again after 0.3 s",
+            line,
+        ), line
     result = summary(out)
     assert result["frames"] >= 5000 and not result["solved"]
     assert len(lines) - 1 <= (result["seconds"] - first["seconds"]) / 0.3 + 1
-    # the stop's own checkpoint fails too: with no checkpoint to go on from, the run ends with code 2
-    assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
-                        lines[-1]), lines[-1]
+    # The stop's own checkpoint fails too: with no checkpoint to go on from,
+    # the run ends with code 2.
+    assert re.fullmatch(
+        "dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
+        lines[-1],
+    ), lines[-1]
 
 
 @pytest.mark.slow
 def test_a_solved_run_whose_last_checkpoint_does_not_fit_is_a_solve(tmp_path):
-    # 512 KiB: room for the events and best.pt (under 150 kB), not for the checkpoint of a full buffer (700 kB)
+    # 512 KiB: room for the events and best.pt (under 150 kB), not for the checkpoint of a full
+    # buffer (700 kB).
     code, out, err = run_on_small_disk(tmp_path, 512, "--seed", "1", "--max-frames", "50000")
     assert code == 0, err
     assert summary(out)["solved"]
     (line,) = our_lines(err)
-    assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
-                        line), line
+    assert re.fullmatch(
+        "dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
+        line,
+    ), line
 
 
 @pytest.mark.slow
 def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_on(tmp_path):
-    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting as the run goes on
-    code, out, err = run_on_small_disk(tmp_path, 32, "--max-frames", "20000", "--checkpoint-minutes", "0")
+    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting as the run goes
+    # on.
+    code, out, err = run_on_small_disk(
+        tmp_path, 32, "--max-frames", "20000", "--checkpoint-minutes", "0"
+    )
     assert code == 0, err
     result = summary(out)
     assert result["frames"] >= 20000 or result["solved"]
-    best, events = our_lines(err)   # best.pt was a new best many times: one line until a write succeeds
-    assert re.fullmatch("dqn_fast.py: warning: " + FULL.format("best.pt") + ": best.pt stays as it was, the run "
-                        "goes on", best), best
-    assert re.fullmatch(r"dqn_fast.py: warning: cannot log to TensorBoard in runs/dqn_fast-cartpole-[\d-]+ "
-                        r"\(No space left on device\): going on unlogged", events), events
+    # best.pt was a new best many times: there is one line until a write succeeds.
+    best, events = our_lines(err)
+    assert re.fullmatch(
+        "dqn_fast.py: warning: " + FULL.format("best.pt") + ": best.pt stays as it was, the run "
+        "goes on",
+        best,
+    ), best
+    assert re.fullmatch(
+        r"dqn_fast.py: warning: cannot log to TensorBoard in runs/dqn_fast-cartpole-[\d-]+ "
+        r"\(No space left on device\): going on unlogged",
+        events,
+    ), events
 
 
 # ---------------------------------------------------------------- a resumed run's mapping
@@ -139,11 +189,24 @@ def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc/PID/maps")
 def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_replaced(tmp_path):
     folder, _ = made_run(tmp_path, 1200)
-    proc = subprocess.Popen([*SCRIPT, "--resume", str(folder), "--max-frames", "1000000000",
-                             "--checkpoint-minutes", "0.005"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            *SCRIPT,
+            "--resume",
+            str(folder),
+            "--max-frames",
+            "1000000000",
+            "--checkpoint-minutes",
+            "0.005",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        while "checkpoint written" not in proc.stdout.readline():   # the checkpoint it resumed from is replaced
+        # The checkpoint it resumed from is replaced.
+        while "checkpoint written" not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
         with open(f"/proc/{proc.pid}/maps") as f:
             mapped = [line for line in f if runs.CHECKPOINT in line]

@@ -1,8 +1,9 @@
 """What each script's loop does with its own counters, in seconds, in this process where it can: the
-target net syncs at whole-run training steps across a resume, every DQN script acts at the epsilon of
-the frames played (a resumed segment's first step too) and logs the chapter's metrics, a resumed A3C
-run counts its frames on from the checkpoint's, a restored optimizer holds no tensor of the
+target net syncs at whole-run training steps across a resume, every DQN script acts at the epsilon
+of the frames played (a resumed segment's first step too) and logs the chapter's metrics, a resumed
+A3C run counts its frames on from the checkpoint's, a restored optimizer holds no tensor of the
 checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
+
 import errno
 import itertools
 import os
@@ -29,11 +30,18 @@ import runs  # noqa: E402
 from conftest import free_port, hooked_env, our_lines  # noqa: E402
 
 DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
-ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}   # frames a training step
-CARTPOLE = types.SimpleNamespace(**dqn_compile.CARTPOLE)   # every DQN script's: training from frame
-# 1,000, a target sync every 200 training steps (tests/test_script_parts.py checks they are the same)
-CLIP_GRAD = {name: module.CARTPOLE["clip_grad"] for name, module in
-             [("a3c_data", a3c_data), ("a3c_grad", a3c_grad), ("a3c_dist", a3c_dist_script)]}
+ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}  # frames a training step
+# Every DQN script's CartPole hyperparameters: training from frame 1,000, a target sync every 200
+# training steps (tests/test_script_parts.py checks they are the same).
+CARTPOLE = types.SimpleNamespace(**dqn_compile.CARTPOLE)
+CLIP_GRAD = {
+    name: module.CARTPOLE["clip_grad"]
+    for name, module in [
+        ("a3c_data", a3c_data),
+        ("a3c_grad", a3c_grad),
+        ("a3c_dist", a3c_dist_script),
+    ]
+}
 
 
 @pytest.fixture
@@ -50,8 +58,8 @@ def in_tmp(monkeypatch, tmp_path):
 
 @pytest.fixture
 def training(monkeypatch):
-    """What the training steps of this process did: .step, Adam's whole-run step count (restored with
-    it) after the latest step; .syncs, that count at each target net sync."""
+    """What the training steps of this process did: .step, Adam's whole-run step count (restored
+    with it) after the latest step; .syncs, that count at each target net sync."""
     record = types.SimpleNamespace(step=None, syncs=[])
     adam_step, load = torch.optim.Adam.step, nn.Module.load_state_dict
 
@@ -61,9 +69,10 @@ def training(monkeypatch):
         return result
 
     def recording_load(self, *args, **kwargs):
-        if record.step is not None:   # a sync, not a restore before this segment's first step
+        if record.step is not None:  # a sync, not a restore before this segment's first step
             record.syncs.append(record.step)
         return load(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.optim.Adam, "step", counting_step)
     monkeypatch.setattr(nn.Module, "load_state_dict", recording_load)
     return record
@@ -76,23 +85,27 @@ def the_run(where):
 
 # ---------------------------------------------------------------- the target net
 @pytest.mark.parametrize("script", DQN_SCRIPTS)
-def test_the_target_net_syncs_at_whole_run_training_steps_also_across_a_resume(script, in_tmp, training,
-                                                                               run_main):
-    def frames(steps):   # about that many training steps (an env's reset step brings no frame)
+def test_the_target_net_syncs_at_whole_run_training_steps_also_across_a_resume(
+    script, in_tmp, training, run_main
+):
+    def frames(steps):  # about that many training steps (an env's reset step brings no frame)
         return str(CARTPOLE.replay_start + ENVS[script] * steps)
+
     assert run_main(script, "--env", "cartpole", "--max-frames", frames(250)) == 0
     stopped_at, training.step = training.step, None
-    assert 200 < stopped_at < 400   # between two syncs
+    assert 200 < stopped_at < 400  # between two syncs
     assert run_main(script, "--resume", str(the_run(in_tmp)), "--max-frames", frames(450)) == 0
     assert training.step >= 400
-    assert training.syncs == list(range(CARTPOLE.target_sync, training.step + 1, CARTPOLE.target_sync))
+    assert training.syncs == list(
+        range(CARTPOLE.target_sync, training.step + 1, CARTPOLE.target_sync)
+    )
 
 
 # ---------------------------------------------------------------- epsilon
 @pytest.fixture
 def acting(monkeypatch):
-    """(frames played, epsilon) at each acting call of the experience sources made in this process: the
-    epsilon of a DQNAgent, or the tensor that dqn_compile's acting function is given."""
+    """(frames played, epsilon) at each acting call of the experience sources made in this process:
+    the epsilon of a DQNAgent, or the tensor that dqn_compile's acting function is given."""
     seen, make_source = [], common.ExperienceSourceFirstLast.__init__
 
     def recording_init(self, env, agent, *args, **kwargs):
@@ -100,25 +113,32 @@ def acting(monkeypatch):
             epsilon = agent.epsilon if hasattr(agent, "epsilon") else agent.__globals__["epsilon"]
             seen.append((self.frames, float(epsilon)))
             return agent(states)
+
         make_source(self, env, act, *args, **kwargs)
+
     monkeypatch.setattr(common.ExperienceSourceFirstLast, "__init__", recording_init)
     return seen
 
 
 def assert_epsilon_by_frame(seen):
     assert [epsilon for _, epsilon in seen] == pytest.approx(
-        [dqn_compile.epsilon_by_frame(CARTPOLE, frames) for frames, _ in seen])
+        [dqn_compile.epsilon_by_frame(CARTPOLE, frames) for frames, _ in seen]
+    )
 
 
 @pytest.mark.parametrize("script", ["dqn_baseline", "dqn_fast", "dqn_compile"])
-def test_each_acting_call_uses_epsilon_by_frame_of_the_frames_played_also_first_in_a_resumed_segment(
-        script, in_tmp, acting, run_main):
+def test_each_acting_call_uses_epsilon_by_frame_of_frames_played_also_first_in_a_resumed_segment(
+    script, in_tmp, acting, run_main
+):
     assert run_main(script, "--env", "cartpole", "--max-frames", "1300") == 0
     first_segment = len(acting)
-    stopped_at = torch.load(the_run(in_tmp) / runs.CHECKPOINT, weights_only=True)["exp_source"]["frames"]
+    stopped_at = torch.load(the_run(in_tmp) / runs.CHECKPOINT, weights_only=True)["exp_source"][
+        "frames"
+    ]
     assert acting[0] == (0, CARTPOLE.epsilon_start) and stopped_at >= 1300
     assert run_main(script, "--resume", str(the_run(in_tmp)), "--max-frames", "2000") == 0
-    assert acting[first_segment][0] == stopped_at and acting[-1][0] >= 1990   # the resumed segment's first call
+    # The resumed segment's first call is at the frames the run stopped at.
+    assert acting[first_segment][0] == stopped_at and acting[-1][0] >= 1990
     assert_epsilon_by_frame(acting)
 
 
@@ -127,14 +147,18 @@ class Sent(Exception):
 
 
 @pytest.mark.parametrize("frames", [0, 1300])
-def test_dqn_mps_play_process_acts_at_epsilon_by_frame_from_the_frames_it_is_given(frames, in_tmp, acting):
+def test_dqn_mps_play_process_acts_at_epsilon_by_frame_from_the_frames_it_is_given(
+    frames, in_tmp, acting
+):
     import dqn_mp
+
     args = types.SimpleNamespace(env="cartpole", envs=3, seed=0, cuda=False)
     net = dqn_mp.DQN((4,), 2)
 
     def send(message):
         if message[1] >= frames + 700:
             raise Sent
+
     with pytest.raises(Sent):
         dqn_mp.play_func(CARTPOLE, args, net, frames, send=send)
     assert acting[0] == (frames, pytest.approx(dqn_compile.epsilon_by_frame(CARTPOLE, frames)))
@@ -143,26 +167,43 @@ def test_dqn_mps_play_process_acts_at_epsilon_by_frame_from_the_frames_it_is_giv
 
 
 # ---------------------------------------------------------------- what a DQN run logs
-CHAPTER_TAGS = ["episodes/reward", "episodes/avg_reward", "episodes/steps", "train/loss", "train/avg_loss",
-                "train/epsilon", "train/avg_fps"]   # the chapter's reward, avg_reward, steps, loss, avg_loss, ...
+# The chapter's tags: reward, avg_reward, steps, loss, avg_loss, ...
+CHAPTER_TAGS = [
+    "episodes/reward",
+    "episodes/avg_reward",
+    "episodes/steps",
+    "train/loss",
+    "train/avg_loss",
+    "train/epsilon",
+    "train/avg_fps",
+]
 
 
 @pytest.mark.parametrize("script", DQN_SCRIPTS)
-def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_logged(script, in_tmp, run_main,
-                                                                                    monkeypatch):
+def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_logged(
+    script, in_tmp, run_main, monkeypatch
+):
     clock, seconds = time.perf_counter, itertools.count()
-    monkeypatch.setattr(time, "perf_counter", lambda: clock() + next(seconds))   # a second a reading: avg_fps is logged
-    assert run_main(script, "--env", "cartpole", "--max-frames", "1700", "--checkpoint-minutes", "0") == 0
+    # A second passes between readings, so avg_fps is logged.
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + next(seconds))
+    assert (
+        run_main(script, "--env", "cartpole", "--max-frames", "1700", "--checkpoint-minutes", "0")
+        == 0
+    )
     scalars = EventAccumulator(str(the_run(in_tmp)), size_guidance={"scalars": 0})
     scalars.Reload()
     assert set(CHAPTER_TAGS) <= set(scalars.Tags()["scalars"])
-    losses, avg_losses = ([e.value for e in scalars.Scalars(tag)] for tag in ("train/loss", "train/avg_loss"))
-    assert len(losses) >= 3 and avg_losses == pytest.approx([np.mean(losses[:i + 1]) for i in range(len(losses))])
+    losses, avg_losses = (
+        [e.value for e in scalars.Scalars(tag)] for tag in ("train/loss", "train/avg_loss")
+    )
+    assert len(losses) >= 3 and avg_losses == pytest.approx(
+        [np.mean(losses[: i + 1]) for i in range(len(losses))]
+    )
 
 
 # ---------------------------------------------------------------- A3C's gradient clip
-# the process that steps writes to $RL_TEST_CLIP each clip's max norm and the norm it found, and the norm
-# of the gradient that each optimizer step applies
+# The process that steps writes to $RL_TEST_CLIP each clip's max norm and the norm it found, and the
+# norm of the gradient that each optimizer step applies.
 CLIP_HOOK = """
 import os
 import torch
@@ -189,44 +230,74 @@ def test_each_a3c_step_applies_the_gradient_clipped_to_clip_grad(script, tmp_pat
     if script == "a3c_dist":
         assert a3c_dist(*args, cwd=tmp_path, env=env) == 0
     else:
-        assert subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), *args, "--processes", "1"],
-                              cwd=tmp_path, env=env, timeout=120).returncode == 0
+        assert (
+            subprocess.run(
+                [sys.executable, os.path.join(REPO, f"{script}.py"), *args, "--processes", "1"],
+                cwd=tmp_path,
+                env=env,
+                timeout=120,
+            ).returncode
+            == 0
+        )
     lines = [line.split() for line in (tmp_path / "clips").read_text().splitlines()]
-    clips = [(float(max_norm), float(norm)) for kind, max_norm, norm in (l for l in lines if l[0] == "clip")]
-    steps = [float(norm) for kind, norm in (l for l in lines if l[0] == "step")]
+    clips = [
+        (float(max_norm), float(norm))
+        for kind, max_norm, norm in (words for words in lines if words[0] == "clip")
+    ]
+    steps = [float(norm) for kind, norm in (words for words in lines if words[0] == "step")]
     clip_grad = CLIP_GRAD[script]
     assert len(steps) == len(clips) > 5 and {max_norm for max_norm, _ in clips} == {clip_grad}
-    assert max(norm for _, norm in clips) > clip_grad   # steps whose gradient the clip shortened
+    assert max(norm for _, norm in clips) > clip_grad  # steps whose gradient the clip shortened
     assert max(steps) <= clip_grad * (1 + 1e-5)
 
 
 # ---------------------------------------------------------------- A3C's frames across a resume
 def episode_frames(folder):
-    """The frame count of every episode the run logged, in the order its event files were written: read
-    raw, since TensorBoard's reader would drop the points of a curve that doubles back."""
+    """The frame count of every episode the run logged, in the order its event files were written:
+    read raw, since TensorBoard's reader would drop the points of a curve that doubles back."""
     steps = []
-    for name in sorted(os.listdir(folder)):   # events.out.tfevents.<time>...: one a segment
+    for name in sorted(os.listdir(folder)):  # events.out.tfevents.<time>...: one a segment
         if name.startswith("events."):
-            steps += [event.step for event in EventFileLoader(str(folder / name)).Load()
-                      if any(value.tag == "episodes/reward" for value in event.summary.value)]
+            steps += [
+                event.step
+                for event in EventFileLoader(str(folder / name)).Load()
+                if any(value.tag == "episodes/reward" for value in event.summary.value)
+            ]
     return steps
 
 
 def a3c_dist(*args, cwd, env=None):
     """a3c_dist.py as the one rank that torchrun would start, without torchrun's agent."""
-    env = dict(env or os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    return subprocess.run([sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd, env=env,
-                          timeout=120).returncode
+    env = dict(
+        env or os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd, env=env, timeout=120
+    ).returncode
 
 
 # a3c_grad's case in the fast set; a3c_data's and a3c_dist's resume blocks are the same two lines
-@pytest.mark.parametrize("script", [pytest.param("a3c_data", marks=pytest.mark.slow), "a3c_grad",
-                                    pytest.param("a3c_dist", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param("a3c_data", marks=pytest.mark.slow),
+        "a3c_grad",
+        pytest.param("a3c_dist", marks=pytest.mark.slow),
+    ],
+)
 def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_tmp, run_main):
     def run(*args):
-        args = ["--envs", "2", *args] + (["--processes", "1"] if script != "a3c_dist" and "--resume" not in args else [])
+        args = ["--envs", "2", *args] + (
+            ["--processes", "1"] if script != "a3c_dist" and "--resume" not in args else []
+        )
         return a3c_dist(*args, cwd=in_tmp) if script == "a3c_dist" else run_main(script, *args)
+
     assert run("--env", "cartpole", "--max-frames", "500") == 0
     folder = the_run(in_tmp)
     stopped_at = torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"]
@@ -239,13 +310,15 @@ def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_
 # ---------------------------------------------------------------- the checkpoint
 @pytest.fixture
 def stopped_run(in_tmp, run_main):
-    """A dqn_baseline run on CartPole stopped past its first training steps: Adam's state is in its checkpoint."""
+    """A dqn_baseline run on CartPole stopped past its first training steps: Adam's state is in its
+    checkpoint."""
     assert run_main("dqn_baseline", "--env", "cartpole", "--max-frames", "1010") == 0
     return the_run(in_tmp)
 
 
-def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_from(stopped_run, run_main,
-                                                                                monkeypatch):
+def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_from(
+    stopped_run, run_main, monkeypatch
+):
     loaded, optimizers = [], []
     load, load_state = torch.load, torch.optim.Adam.load_state_dict
 
@@ -256,11 +329,13 @@ def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_fr
     def recording_load_state(self, state):
         optimizers.append(self)
         return load_state(self, state)
+
     monkeypatch.setattr(torch, "load", recording_load)
     monkeypatch.setattr(torch.optim.Adam, "load_state_dict", recording_load_state)
     assert run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "1150") == 0
     (optimizer,) = optimizers
-    file_storages = {t.untyped_storage().data_ptr() for t in tensors(loaded)}   # every load of the file
+    # These are the storages of every load of the file.
+    file_storages = {t.untyped_storage().data_ptr() for t in tensors(loaded)}
     state = tensors(optimizer.state_dict()["state"])
     assert state and not any(t.untyped_storage().data_ptr() in file_storages for t in state)
 
@@ -269,27 +344,40 @@ def tensors(obj):
     """Every tensor in obj, a tensor or dicts, lists and tuples of them."""
     if isinstance(obj, torch.Tensor):
         return [obj]
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    values = (
+        obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    )
     return [t for value in values for t in tensors(value)]
 
 
-def test_a_periodic_checkpoint_that_cannot_be_written_costs_a_line_and_is_tried_again_at_the_next_interval(
-        stopped_run, run_main, monkeypatch, capsys):
+def test_an_unwritable_periodic_checkpoint_costs_a_line_and_is_tried_again_at_the_next_interval(
+    stopped_run, run_main, monkeypatch, capsys
+):
     before, tries = (stopped_run / runs.CHECKPOINT).read_bytes(), []
     save = torch.save
 
-    def full_disk_save(obj, f, *args, **kwargs):   # a checkpoint's write fails as on a full disk
+    def full_disk_save(obj, f, *args, **kwargs):  # a checkpoint's write fails as on a full disk
         if os.path.basename(str(getattr(f, "name", f))).startswith(runs.CHECKPOINT):
             tries.append(obj["tracker"]["frames"])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return save(obj, f, *args, **kwargs)
+
     monkeypatch.setattr(torch, "save", full_disk_save)
     capsys.readouterr()
-    code = run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "1600",
-                    "--checkpoint-minutes", "0.0005")
+    code = run_main(
+        "dqn_baseline",
+        "--resume",
+        str(stopped_run),
+        "--max-frames",
+        "1600",
+        "--checkpoint-minutes",
+        "0.0005",
+    )
     out, err = capsys.readouterr()
     lines = our_lines(err)
-    assert len(tries) >= 3 and len(lines) == len(tries)   # the periodic ones and the stop's, a line each
+    # The periodic tries and the stop's cost a line each.
+    assert len(tries) >= 3 and len(lines) == len(tries)
     assert all("checkpoint.pt" in line and os.strerror(errno.ENOSPC) in line for line in lines)
-    assert tries == sorted(tries) and tries[-1] >= 1600   # the run went on, to its frame budget
-    assert code == 2 and (stopped_run / runs.CHECKPOINT).read_bytes() == before   # the last one stays
+    assert tries == sorted(tries) and tries[-1] >= 1600  # the run went on, to its frame budget
+    # The last checkpoint stays.
+    assert code == 2 and (stopped_run / runs.CHECKPOINT).read_bytes() == before

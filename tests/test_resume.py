@@ -1,6 +1,7 @@
 """Checkpoints and --resume: what a checkpoint holds comes back, a stop never cuts a step, a kill
 mid-write leaves the checkpoint before it, a bad --resume stops with one line. The slow set stops
 each script on CartPole with SIGTERM, resumes it and sees it solve."""
+
 import copy
 import json
 import os
@@ -26,36 +27,61 @@ import dqn_compile  # noqa: E402
 import runs  # noqa: E402
 from conftest import BUDGET, hooked_env, our_lines  # noqa: E402
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad"]
 SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
 
 def fake_args(resume=None, segment=0):
-    return types.SimpleNamespace(script="test", env="pong", name="unit", max_frames=None, bf16=False, cuda=False,
-                                 resume=resume, checkpoint_minutes=10, seed=0, segment=segment,
-                                 folder=resume or os.path.join("runs", "test-pong-unit"))
+    return types.SimpleNamespace(
+        script="test",
+        env="pong",
+        name="unit",
+        max_frames=None,
+        bf16=False,
+        cuda=False,
+        resume=resume,
+        checkpoint_minutes=10,
+        seed=0,
+        segment=segment,
+        folder=resume or os.path.join("runs", "test-pong-unit"),
+    )
 
 
 def fake_env(shape=(4,)):
-    return types.SimpleNamespace(single_observation_space=gym.spaces.Box(0, 1, shape),
-                                 single_action_space=gym.spaces.Discrete(3))
+    return types.SimpleNamespace(
+        single_observation_space=gym.spaces.Box(0, 1, shape),
+        single_action_space=gym.spaces.Discrete(3),
+    )
 
 
 def transitions(count, seed):
-    """count Pong-shaped one-step transitions of one env's episodes of random frames, each 7th terminal:
-    a state shares all frames but its newest with the next, an episode's first is zero-padded."""
+    """count Pong-shaped one-step transitions of one env's episodes of random frames, each 7th
+    terminal: a state shares all frames but its newest with the next, an episode's first is
+    zero-padded."""
     rng = np.random.default_rng(seed)
 
     def frame():
         return rng.integers(0, 256, (1, *SPACE.shape[1:]), np.uint8)
+
     played, state = [], np.concatenate([np.zeros((3, *SPACE.shape[1:]), np.uint8), frame()])
     for i in range(count):
         last = np.concatenate([state[1:], frame()])
-        played.append(common.ExperienceFirstLast(state, int(rng.integers(6)), float(rng.normal()),
-                                                 None if i % 7 == 6 else last, 1))
-        state = np.concatenate([np.zeros((3, *SPACE.shape[1:]), np.uint8), frame()]) if i % 7 == 6 else last
+        played.append(
+            common.ExperienceFirstLast(
+                state, int(rng.integers(6)), float(rng.normal()), None if i % 7 == 6 else last, 1
+            )
+        )
+        state = (
+            np.concatenate([np.zeros((3, *SPACE.shape[1:]), np.uint8), frame()])
+            if i % 7 == 6
+            else last
+        )
     return played
 
 
@@ -73,7 +99,11 @@ def trained(seed):
 
 def next_draws(buffer):
     """What each restored generator gives next."""
-    return torch.rand(3).tolist(), np.random.random(3).tolist(), buffer.rng.integers(0, 10 ** 9, 3).tolist()
+    return (
+        torch.rand(3).tolist(),
+        np.random.random(3).tolist(),
+        buffer.rng.integers(0, 10**9, 3).tolist(),
+    )
 
 
 @pytest.fixture
@@ -87,16 +117,20 @@ def stop_handler():
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
-def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_generators(tmp_path, monkeypatch):
+def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_generators(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(runs, "LOG_EVERY", 1)   # every loss logged, and kept for the mean
+    monkeypatch.setattr(runs, "LOG_EVERY", 1)  # every loss logged, and kept for the mean
     net, tgt_net, optimizer = trained(seed=0)
     buffer = common.ReplayBuffer(50, SPACE, seed=0)
-    for exp in transitions(80, seed=0):    # the ring wraps: position 30 of 50
+    for exp in transitions(80, seed=0):  # the ring wraps: position 30 of 50
         buffer.append(exp)
-    buffer.sample(4)                      # the sampling generator has moved
+    buffer.sample(4)  # the sampling generator has moved
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
-    contents = dict(net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker, train_steps=7)
+    contents = dict(
+        net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker, train_steps=7
+    )
     with runs.Run(fake_args(), tracker, lambda: contents):
         tracker.update(600, [(-20.0, 900), (-19.0, 800)])
         for loss in (0.5, 0.25):
@@ -108,8 +142,17 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_gener
     np.random.seed(99)
     net2, tgt_net2, optimizer2 = trained(seed=1)
     buffer2 = common.ReplayBuffer(50, SPACE, seed=1)
-    tracker2 = runs.RewardTracker(fake_args(resume=tracker.args.folder, segment=1), net2, fake_env())
-    contents2 = dict(net=net2, tgt_net=tgt_net2, optimizer=optimizer2, buffer=buffer2, tracker=tracker2, train_steps=0)
+    tracker2 = runs.RewardTracker(
+        fake_args(resume=tracker.args.folder, segment=1), net2, fake_env()
+    )
+    contents2 = dict(
+        net=net2,
+        tgt_net=tgt_net2,
+        optimizer=optimizer2,
+        buffer=buffer2,
+        tracker=tracker2,
+        train_steps=0,
+    )
     counters = runs.restore(tracker.args.folder, contents2, torch.device("cpu"))
 
     for a, b in [(net, net2), (tgt_net, tgt_net2)]:
@@ -122,16 +165,22 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_counters_and_gener
     assert (buffer2.pos, buffer2.size) == (30, 50)
     for name in common.ReplayBuffer.ARRAYS:
         assert np.array_equal(getattr(buffer, name), getattr(buffer2, name)), name
-    assert np.array_equal(buffer.frames[buffer.index.rows], buffer2.frames[buffer2.index.rows])   # each transition's
+    # Each transition's frames are alike.
+    assert np.array_equal(buffer.frames[buffer.index.rows], buffer2.frames[buffer2.index.rows])
     assert (tracker2.frames, tracker2.episodes, tracker2.steps) == (1234, 3, 2)
     assert list(tracker2.rewards) == [-20.0, -19.0, -18.0]
     assert (tracker2.seconds, tracker2.train_frames, tracker2.train_seconds) == (
-        tracker.seconds, tracker.train_frames, tracker.train_seconds)
+        tracker.seconds,
+        tracker.train_frames,
+        tracker.train_seconds,
+    )
     assert counters == {"train_steps": 7}
     assert next_draws(buffer2) == expected
 
 
-def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_losses(tmp_path, monkeypatch):
+def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_losses(
+    tmp_path, monkeypatch
+):
     # a first segment: 100 games of 10 make best.pt, two losses logged; the second: a worse window
     # (mean 9.99) leaves best.pt as it was, and the loss logged next averages with the first two
     monkeypatch.chdir(tmp_path)
@@ -148,7 +197,7 @@ def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_los
     tracker = runs.RewardTracker(resumed, net, fake_env())
     runs.restore(folder, dict(net=net, tracker=tracker), torch.device("cpu"))
     with torch.no_grad():
-        net.weight += 1   # a network best.pt must not take
+        net.weight += 1  # a network best.pt must not take
     with runs.Run(resumed, tracker, lambda: dict(net=net, tracker=tracker)):
         tracker.update(200, [(9.0, 5)])
         tracker.record_step(loss=5.0)
@@ -157,8 +206,8 @@ def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_los
 
 
 def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer_each_frame_once(tmp_path):
-    buffer = common.ReplayBuffer(1000, SPACE)   # a store of 1,189 frames of 7,056 bytes
-    for exp in transitions(10, seed=0):       # 11 frames and the zeros, in the store's first slots
+    buffer = common.ReplayBuffer(1000, SPACE)  # a store of 1,189 frames of 7,056 bytes
+    for exp in transitions(10, seed=0):  # 11 frames and the zeros, in the store's first slots
         buffer.append(exp)
     path = str(tmp_path / "buffer.pt")
     runs.save_whole(buffer.state_dict(), path)
@@ -169,11 +218,12 @@ def test_a_checkpoint_holds_only_the_filled_part_of_the_buffer_each_frame_once(t
 def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(device, tmp_path):
     device = torch.device(device)
     buffer = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
-    for step in range(0, 80, 3):          # a step of 3 envs at a time; the ring wraps
-        buffer.extend(transitions(80, seed=0)[step:step + 3])
+    for step in range(0, 80, 3):  # a step of 3 envs at a time; the ring wraps
+        buffer.extend(transitions(80, seed=0)[step : step + 3])
     path = str(tmp_path / "buffer.pt")
     runs.save_whole(buffer.state_dict(), path)
-    assert os.path.getsize(path) < (50 + 50 // 7 + 5) * 7_056 + 50_000   # a frame a transition, an episode's last
+    # The file holds a frame a transition, and an episode's last.
+    assert os.path.getsize(path) < (50 + 50 // 7 + 5) * 7_056 + 50_000
     restored = dqn_compile.DeviceReplayBuffer(50, SPACE, device)
     restored.load_state_dict(torch.load(path, mmap=True, weights_only=True))
     assert restored.count == buffer.count == 80 and restored.size.item() == 50
@@ -185,9 +235,11 @@ def test_the_device_buffer_comes_back_where_it_was_and_samples_what_it_held(devi
 @pytest.mark.parametrize("stored", [30, 81], ids=["filling", "wrapped"])
 @pytest.mark.parametrize("kind", ["ReplayBuffer", "DeviceReplayBuffer"])
 def test_a_restored_buffer_stores_new_frames_past_wraps_and_reads_what_a_buffer_never_stopped_reads(
-        kind, stored, tmp_path):
-    # transitions of 3 envs' steps into a ring of 50, saved, loaded and saved again byte for byte; then up to
-    # 200 (more wraps) into the restored buffer and one never stopped: every transition alike at each step
+    kind, stored, tmp_path
+):
+    # Transitions of 3 envs' steps into a ring of 50, saved, loaded and saved again byte for byte;
+    # then up to 200 (more wraps) into the restored buffer and one never stopped: every transition
+    # alike at each step.
     def make():
         if kind == "ReplayBuffer":
             return common.ReplayBuffer(50, SPACE)
@@ -202,16 +254,16 @@ def test_a_restored_buffer_stores_new_frames_past_wraps_and_reads_what_a_buffer_
 
     played, never_stopped, saved = transitions(200, seed=0), make(), make()
     for step in range(0, stored, 3):
-        store(never_stopped, played[step:step + 3])
-        store(saved, played[step:step + 3])
+        store(never_stopped, played[step : step + 3])
+        store(saved, played[step : step + 3])
     runs.save_whole(saved.state_dict(), str(tmp_path / "saved.pt"))
     restored = make()
     restored.load_state_dict(torch.load(tmp_path / "saved.pt", mmap=True, weights_only=True))
     runs.save_whole(restored.state_dict(), str(tmp_path / "again.pt"))
     assert (tmp_path / "saved.pt").read_bytes() == (tmp_path / "again.pt").read_bytes()
     for step in range(stored, 200, 3):
-        store(never_stopped, played[step:step + 3])
-        store(restored, played[step:step + 3])
+        store(never_stopped, played[step : step + 3])
+        store(restored, played[step : step + 3])
         every = np.arange(len(restored))
         for expected, got in zip(never_stopped.transitions(every), restored.transitions(every)):
             assert np.array_equal(np.asarray(expected), np.asarray(got))
@@ -221,7 +273,7 @@ def test_set_capturable_makes_a_restored_gpu_state_step_on_the_cpu():
     net, _, optimizer = trained(seed=0)
     state = optimizer.state_dict()
     for group in state["param_groups"]:
-        group["capturable"] = True          # as dynamo leaves a state saved on a GPU
+        group["capturable"] = True  # as dynamo leaves a state saved on a GPU
     optimizer.load_state_dict(state)
     dqn_compile.set_capturable(optimizer, torch.device("cpu"))
     assert not optimizer.param_groups[0]["capturable"]
@@ -260,8 +312,9 @@ def test_a_resumed_dqn_compile_step_on_cuda_replays_its_graph_with_no_recompile_
 
 
 # ---------------------------------------------------------------- a stop never cuts a step
-def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoint(tmp_path, monkeypatch,
-                                                                               stop_handler):
+def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoint(
+    tmp_path, monkeypatch, stop_handler
+):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
@@ -271,7 +324,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
-            with torch.no_grad():            # a step that writes the weight, then the bias
+            with torch.no_grad():  # a step that writes the weight, then the bias
                 net.weight += 1
                 if frames == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -281,11 +334,14 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
     checkpoint = torch.load(os.path.join(tracker.args.folder, runs.CHECKPOINT), weights_only=True)
     assert checkpoint["tracker"]["frames"] == 4 and checkpoint["tracker"]["steps"] == 3
     assert torch.equal(checkpoint["net"]["weight"], net.weight)
-    assert torch.equal(checkpoint["net"]["bias"], net.bias)   # the step that the signal landed in is whole
+    # The step that the signal landed in is whole.
+    assert torch.equal(checkpoint["net"]["bias"], net.bias)
 
 
-# ---------------------------------------------------------------- a stop's checkpoint, its events, its exit code
-def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_checkpoint(tmp_path, monkeypatch):
+# --------------------------------------------------- a stop's checkpoint, its events, its exit code
+def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_checkpoint(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
@@ -294,31 +350,39 @@ def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_ch
     for frames in (10, 20):
         tracker.update(frames, [(-21.0 + frames, 1)])
     assert run.save_checkpoint()
-    for frames in (25, 30):                      # logged after the checkpoint, then the run is killed:
-        tracker.update(frames, [(-21.0 + frames, 1)])   # no stop, no last checkpoint
+    for frames in (25, 30):  # logged after the checkpoint, then the run is killed:
+        tracker.update(frames, [(-21.0 + frames, 1)])  # no stop, no last checkpoint
     tracker.writer.flush()
 
     folder = tracker.args.folder
     resumed = runs.RewardTracker(fake_args(resume=folder, segment=1), net, fake_env())
     runs.restore(folder, dict(net=net, tracker=resumed), torch.device("cpu"))
-    with runs.Run(fake_args(resume=folder, segment=1), resumed, lambda: dict(net=net, tracker=resumed)):
+    with runs.Run(
+        fake_args(resume=folder, segment=1), resumed, lambda: dict(net=net, tracker=resumed)
+    ):
         for frames in (24, 28):
             resumed.update(frames, [(-21.0 + frames, 1)])
     events = EventAccumulator(folder)
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("episodes/reward")] == [(10, -11.0), (20, -1.0), (24, 3.0),
-                                                                              (28, 7.0)]
+    assert [(e.step, e.value) for e in events.Scalars("episodes/reward")] == [
+        (10, -11.0),
+        (20, -1.0),
+        (24, 3.0),
+        (28, 7.0),
+    ]
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("solved", [False, True])
-def test_a_signalled_stop_whose_checkpoint_fails_exits_with_code_2_unless_solved(signum, code, solved, tmp_path,
-                                                                                monkeypatch, stop_handler, capsys):
+def test_a_signalled_stop_whose_checkpoint_fails_exits_with_code_2_unless_solved(
+    signum, code, solved, tmp_path, monkeypatch, stop_handler, capsys
+):
     monkeypatch.chdir(tmp_path)
     tracker = runs.RewardTracker(fake_args(), nn.Linear(4, 3), fake_env())
 
     def full_disk(obj, path):
         raise runs.WriteFailed(f"cannot write {path} (No space left on device)")
+
     with runs.Run(fake_args(), tracker, lambda: dict(tracker=tracker)) as run:
         tracker.solved = solved
         os.kill(os.getpid(), signum)
@@ -327,21 +391,24 @@ def test_a_signalled_stop_whose_checkpoint_fails_exits_with_code_2_unless_solved
     assert "checkpoint.pt (No space left on device)" in capsys.readouterr().err
 
 
-def test_no_periodic_checkpoint_is_written_once_a_signal_has_asked_the_run_to_stop(tmp_path, monkeypatch,
-                                                                                  stop_handler):
+def test_no_periodic_checkpoint_is_written_once_a_signal_has_asked_the_run_to_stop(
+    tmp_path, monkeypatch, stop_handler
+):
     monkeypatch.chdir(tmp_path)
-    args = dict(vars(fake_args()), checkpoint_minutes=1e-6)   # due at every question
+    args = dict(vars(fake_args()), checkpoint_minutes=1e-6)  # due at every question
     tracker = runs.RewardTracker(types.SimpleNamespace(**args), nn.Linear(4, 3), fake_env())
     written = []
     with runs.Run(types.SimpleNamespace(**args), tracker, lambda: dict(tracker=tracker)) as run:
-        monkeypatch.setattr(run, "save_checkpoint", lambda goes_on="": written.append(tracker.frames))
+        monkeypatch.setattr(
+            run, "save_checkpoint", lambda goes_on="": written.append(tracker.frames)
+        )
         for frames in range(1, 6):
             time.sleep(0.001)
             tracker.update(frames, [])
             if frames == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
             run.save_checkpoint_if_due()
-    assert written == [1, 2, 5]   # none at frames 3 and 4, after the signal: the stop's own at 5
+    assert written == [1, 2, 5]  # none at frames 3 and 4, after the signal: the stop's own at 5
 
 
 def test_train_fps_leaves_out_the_first_training_step_which_compiles(tmp_path, monkeypatch):
@@ -351,9 +418,9 @@ def test_train_fps_leaves_out_the_first_training_step_which_compiles(tmp_path, m
     tracker = runs.RewardTracker(fake_args(), nn.Linear(4, 3), fake_env())
     with runs.Run(fake_args(), tracker, lambda: dict(tracker=tracker)):
         tracker.update(100, [])
-        clock.now += 30.0                          # the first step compiles for 30 s
+        clock.now += 30.0  # the first step compiles for 30 s
         tracker.record_step(loss=1.0)
-        for frames in range(200, 1100, 100):       # then 100 frames a second
+        for frames in range(200, 1100, 100):  # then 100 frames a second
             clock.now += 1.0
             tracker.update(frames, [])
             tracker.record_step(loss=1.0)
@@ -364,15 +431,21 @@ def test_train_fps_leaves_out_the_first_training_step_which_compiles(tmp_path, m
 
 # ---------------------------------------------------------------- a bad --resume
 def run_script(script, *args, cwd, env=None, timeout=300):
-    proc = subprocess.run([sys.executable, os.path.join(REPO, f"{script}.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, f"{script}.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
-    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint; made
-    in this process, whose signal handlers the run's end leaves as they were."""
+    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint;
+    made in this process, whose signal handlers the run's end leaves as they were."""
     cwd = tmp_path_factory.mktemp("stopped")
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     script = os.path.join(REPO, "dqn_baseline.py")
@@ -388,19 +461,28 @@ def stopped_run(tmp_path_factory):
 
 
 def listing(folder):
-    return {entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns) for entry in folder.iterdir()}
+    return {
+        entry.name: (entry.stat().st_size, entry.stat().st_mtime_ns) for entry in folder.iterdir()
+    }
 
 
 FORMAT = runs.CHECKPOINT_FORMAT
-BAD_RESUME = [("dqn_fast", [], f"is a checkpoint of dqn_baseline, format {FORMAT}, not of dqn_fast, format {FORMAT}"),
-              ("dqn_baseline", ["--bf16"], "--bf16 True contradicts the run in"),
-              ("dqn_baseline", ["--env", "pong"], "--env pong contradicts the run in"),
-              ("dqn_baseline", ["--seed", "5"], "--seed 5 contradicts the run in")]
+BAD_RESUME = [
+    (
+        "dqn_fast",
+        [],
+        f"is a checkpoint of dqn_baseline, format {FORMAT}, not of dqn_fast, format {FORMAT}",
+    ),
+    ("dqn_baseline", ["--bf16"], "--bf16 True contradicts the run in"),
+    ("dqn_baseline", ["--env", "pong"], "--env pong contradicts the run in"),
+    ("dqn_baseline", ["--seed", "5"], "--seed 5 contradicts the run in"),
+]
 
 
 @pytest.mark.parametrize("script, args, message", BAD_RESUME)
 def test_a_resume_that_contradicts_the_checkpoint_stops_with_one_line_and_changes_nothing(
-        script, args, message, stopped_run, in_process, capsys):
+    script, args, message, stopped_run, in_process, capsys
+):
     before = listing(stopped_run)
     assert in_process(script, "--resume", str(stopped_run), *args) == 2
     err = capsys.readouterr().err
@@ -410,45 +492,55 @@ def test_a_resume_that_contradicts_the_checkpoint_stops_with_one_line_and_change
 
 
 @pytest.mark.parametrize("damage", ["none", "truncated", "not a checkpoint"])
-def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_nothing(damage, stopped_run, tmp_path,
-                                                                                    in_process, capsys):
+def test_a_folder_without_a_whole_checkpoint_stops_with_one_line_and_changes_nothing(
+    damage, stopped_run, tmp_path, in_process, capsys
+):
     data = (stopped_run / runs.CHECKPOINT).read_bytes()
     if damage == "truncated":
-        (tmp_path / runs.CHECKPOINT).write_bytes(data[:len(data) // 2])
+        (tmp_path / runs.CHECKPOINT).write_bytes(data[: len(data) // 2])
     elif damage == "not a checkpoint":
         (tmp_path / runs.CHECKPOINT).write_bytes(b"hello")
     before = listing(tmp_path)
     assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
     err = capsys.readouterr().err
-    expected = ("does not load (No such file or directory)" if damage == "none" else
-                "does not load (RuntimeError)")
+    expected = (
+        "does not load (No such file or directory)"
+        if damage == "none"
+        else "does not load (RuntimeError)"
+    )
     (line,) = our_lines(err)
     assert line.startswith("dqn_baseline.py: error: --resume: ") and expected in line
     assert listing(tmp_path) == before
 
 
-def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(stopped_run, tmp_path, in_process,
-                                                                              capsys):
+def test_a_checkpoint_of_another_format_stops_with_one_line_and_changes_nothing(
+    stopped_run, tmp_path, in_process, capsys
+):
     checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
-    del checkpoint["format"]   # as the code before formats wrote them
+    del checkpoint["format"]  # as the code before formats wrote them
     torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
     before = listing(tmp_path)
     assert in_process("dqn_baseline", "--resume", str(tmp_path)) == 2
     (line,) = our_lines(capsys.readouterr().err)
     assert line.startswith("dqn_baseline.py: error: --resume: ") and line.endswith(
-        f"is a checkpoint of dqn_baseline, format 1, not of dqn_baseline, format {FORMAT}: go on with the code that wrote it")
+        f"is a checkpoint of dqn_baseline, format 1, not of dqn_baseline, format {FORMAT}: "
+        "go on with the code that wrote it"
+    )
     assert listing(tmp_path) == before
 
 
-def test_a_checkpoint_that_lacks_what_the_script_lists_stops_with_one_line(stopped_run, tmp_path, run_main,
-                                                                         monkeypatch, capsys):
+def test_a_checkpoint_that_lacks_what_the_script_lists_stops_with_one_line(
+    stopped_run, tmp_path, run_main, monkeypatch, capsys
+):
     checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
-    del checkpoint["train_steps"]   # as a script that counts something new meets an older run
+    del checkpoint["train_steps"]  # as a script that counts something new meets an older run
     torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
     monkeypatch.chdir(tmp_path)
     assert run_main("dqn_baseline", "--resume", str(tmp_path)) == 2
-    assert our_lines(capsys.readouterr().err) == [f"dqn_baseline.py: error: the checkpoint in {tmp_path} holds no train_steps: "
-                              "go on with the code that wrote it"]
+    assert our_lines(capsys.readouterr().err) == [
+        f"dqn_baseline.py: error: the checkpoint in {tmp_path} holds no train_steps: "
+        "go on with the code that wrote it"
+    ]
 
 
 class Made(Exception):
@@ -456,34 +548,40 @@ class Made(Exception):
 
 
 def options_at_start(monkeypatch):
-    """The options of the next run started in this process, which stops where it makes its tracker (Made)."""
+    """The options of the next run started in this process, which stops where it makes its tracker
+    (Made)."""
     options = {}
 
     def tracker(args, *rest, **kwargs):
         options.update(vars(args))
         raise Made
+
     monkeypatch.setattr(runs, "RewardTracker", tracker)
     return options
 
 
-def test_resume_takes_the_runs_options_and_a_new_frame_budget(stopped_run, run_main, monkeypatch, stop_handler):
+def test_resume_takes_the_runs_options_and_a_new_frame_budget(
+    stopped_run, run_main, monkeypatch, stop_handler
+):
     options = options_at_start(monkeypatch)
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "900")
     assert options["env"] == "cartpole" and options["max_frames"] == 900 and not options["bf16"]
-    assert options["seed"] == runs.SEGMENT_SEED   # seed 0's first resumed segment plays new games
+    assert options["seed"] == runs.SEGMENT_SEED  # seed 0's first resumed segment plays new games
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(stopped_run))
-    assert options["max_frames"] == 300          # the budget the run was last given
+    assert options["max_frames"] == 300  # the budget the run was last given
 
 
-def test_a_second_resume_plays_with_the_runs_seed_offset_twice(stopped_run, tmp_path, run_main, monkeypatch,
-                                                                 stop_handler):
+def test_a_second_resume_plays_with_the_runs_seed_offset_twice(
+    stopped_run, tmp_path, run_main, monkeypatch, stop_handler
+):
     folder = tmp_path / "run"
     shutil.copytree(stopped_run, folder)
     assert run_main("dqn_baseline", "--resume", str(folder), "--max-frames", "400") == 0
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
-    assert checkpoint["segments"] == 2 and checkpoint["options"]["seed"] == 0   # the run's seed, not the segment's
+    # The checkpoint keeps the run's seed, not the segment's.
+    assert checkpoint["segments"] == 2 and checkpoint["options"]["seed"] == 0
     options = options_at_start(monkeypatch)
     with pytest.raises(Made):
         run_main("dqn_baseline", "--resume", str(folder), "--max-frames", "500")
@@ -508,27 +606,43 @@ runs.save_whole = slow_save_whole
 @pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on_from_it(tmp_path):
     env = hooked_env(tmp_path, SLOW_WRITE_HOOK)
-    code, _, err = run_script("dqn_baseline", "--env", "cartpole", "--max-frames", "2000", cwd=tmp_path, env=env)
+    code, _, err = run_script(
+        "dqn_baseline", "--env", "cartpole", "--max-frames", "2000", cwd=tmp_path, env=env
+    )
     assert code == 0, err
     (folder,) = (tmp_path / "runs").iterdir()
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "dqn_baseline.py"), "--resume", str(folder),
-                             "--max-frames", "4000"], cwd=tmp_path, env=dict(env, RL_SLOW_CHECKPOINT="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO, "dqn_baseline.py"),
+            "--resume",
+            str(folder),
+            "--max-frames",
+            "4000",
+        ],
+        cwd=tmp_path,
+        env=dict(env, RL_SLOW_CHECKPOINT="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("writing"):
             break
-    proc.kill()                               # SIGKILL, mid-write
+    proc.kill()  # SIGKILL, mid-write
     proc.wait()
     assert (folder / (runs.CHECKPOINT + ".tmp")).exists()
     assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["tracker"]["frames"] == 2000
-    code, out, err = run_script("dqn_baseline", "--resume", str(folder), "--max-frames", "3000", cwd=tmp_path, env=env)
+    code, out, err = run_script(
+        "dqn_baseline", "--resume", str(folder), "--max-frames", "3000", cwd=tmp_path, env=env
+    )
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["frames"] >= 3000 and result["episodes"] > 0
     assert not (folder / (runs.CHECKPOINT + ".tmp")).exists()
 
 
-# ---------------------------------------------------------------- each script: stopped, resumed, solved
+# ------------------------------------------------------------ each script: stopped, resumed, solved
 def scalars(folder):
     """{tag: [(step, value)]} as TensorBoard reads the folder: with what a purge drops, dropped."""
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
@@ -536,8 +650,15 @@ def scalars(folder):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-STOP_AT = {"dqn_baseline": 6_000, "dqn_fast": 6_000, "dqn_mp": 6_000, "dqn_compile": 6_000, "a3c_data": 60_000,
-           "a3c_grad": 60_000, "a3c_dist": 60_000}
+STOP_AT = {
+    "dqn_baseline": 6_000,
+    "dqn_fast": 6_000,
+    "dqn_mp": 6_000,
+    "dqn_compile": 6_000,
+    "a3c_data": 60_000,
+    "a3c_grad": 60_000,
+    "a3c_dist": 60_000,
+}
 
 
 # what the script's checkpoint_contents() holds as its loop begins, to $RL_TEST_RESTORED
@@ -546,7 +667,8 @@ import os, torch, runs
 enter = runs.Run.__enter__
 def recording_enter(self):
     contents = self.contents()
-    torch.save({name: value.state_dict() if hasattr(value, "state_dict") else value for name, value in contents.items()},
+    torch.save({name: value.state_dict() if hasattr(value, "state_dict") else value \
+for name, value in contents.items()},
                os.environ["RL_TEST_RESTORED"])
     return enter(self)
 runs.Run.__enter__ = recording_enter
@@ -572,29 +694,43 @@ def assert_same(saved, restored, where):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tmp_path):
-    """Also each script's CartPole learning in fp32: the two segments solve within the learning budget."""
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed", "1"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:               # progress lines: "frames: done ..."
+    """Also each script's CartPole learning in fp32: the two segments solve within the learning
+    budget."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:  # progress lines: "frames: done ..."
         if int(line.split(":")[0]) >= STOP_AT[script]:
             break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and our_lines(err) == err.splitlines(), err   # no library's warnings
+    # There are no library's warnings.
+    assert proc.returncode == 143 and our_lines(err) == err.splitlines(), err
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
-    assert checkpoint["tracker"]["frames"] == stopped["frames"] and checkpoint["tracker"]["episodes"] == stopped["episodes"]
+    assert (
+        checkpoint["tracker"]["frames"] == stopped["frames"]
+        and checkpoint["tracker"]["episodes"] == stopped["episodes"]
+    )
     assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
-    own_count = checkpoint["frames"] if "frames" in checkpoint else checkpoint["exp_source"]["frames"]
-    assert own_count == stopped["frames"]   # the count the script plays on from
+    own_count = (
+        checkpoint["frames"] if "frames" in checkpoint else checkpoint["exp_source"]["frames"]
+    )
+    assert own_count == stopped["frames"]  # the count the script plays on from
     before = scalars(folder)
 
     env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
-    code, out, err = run_script(script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path,
-                                env=env)
+    code, out, err = run_script(
+        script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path, env=env
+    )
     assert code == 0 and our_lines(err) == err.splitlines(), err
-    restored = torch.load(tmp_path / "restored.pt", weights_only=True)   # as the script has it when its loop begins
+    # The restored contents are as the script has them when its loop begins.
+    restored = torch.load(tmp_path / "restored.pt", weights_only=True)
     # weights, optimizer, buffer, experience source, the tracker's record, the script's counters
     assert_same({name: checkpoint[name] for name in restored}, restored, "restored")
     assert set(checkpoint) - set(restored) == {"format", "script", "segments", "options", "rng"}
@@ -605,19 +741,33 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     after = scalars(folder)
     for tag, points in after.items():
         steps = [step for step, _ in points]
-        assert steps == sorted(steps), tag      # no curve doubles back
+        assert steps == sorted(steps), tag  # no curve doubles back
     minutes = [value for _, value in after["episodes/minutes"]]
     assert minutes == sorted(minutes) and minutes[-1] <= result["seconds"] / 60 + 0.01
     assert len(after["episodes/reward"]) == result["episodes"] >= len(before["episodes/reward"])
 
 
 def torchrun(ranks, *args, cwd):
-    """a3c_dist.py under torchrun, as a user starts it (with OMP_NUM_THREADS as torchrun sets it, given:
-    torchrun's own notice that it sets it is not printed)."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(ranks), os.path.join(REPO, "a3c_dist.py"), *args], cwd=cwd,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """a3c_dist.py under torchrun, as a user starts it (with OMP_NUM_THREADS as torchrun sets it,
+    given: torchrun's own notice that it sets it is not printed)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            os.path.join(REPO, "a3c_dist.py"),
+            *args,
+        ],
+        cwd=cwd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -627,16 +777,21 @@ def test_a3c_dist_stopped_by_sigterm_resumes_from_rank_0s_checkpoint_with_its_ra
     for line in proc.stdout:
         if int(line.split(":")[0]) >= STOP_AT["a3c_dist"]:
             break
-    proc.send_signal(signal.SIGTERM)          # to torchrun, which sends it on to every rank
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which sends it on to every rank
     out, err = proc.communicate(timeout=60)
     stopped = json.loads(out.strip().splitlines()[-1])
     (folder,) = (tmp_path / "runs").iterdir()
-    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["tracker"]["frames"] == stopped["frames"]
+    assert (
+        torch.load(folder / runs.CHECKPOINT, weights_only=True)["tracker"]["frames"]
+        == stopped["frames"]
+    )
 
     proc = torchrun(2, "--resume", str(folder), cwd=tmp_path)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and f"--resume: the run in {folder} has 3 ranks, not 2" in err
-    proc = torchrun(3, "--resume", str(folder), "--max-frames", str(BUDGET["a3c_dist"]), cwd=tmp_path)
+    proc = torchrun(
+        3, "--resume", str(folder), "--max-frames", str(BUDGET["a3c_dist"]), cwd=tmp_path
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and our_lines(err) == err.splitlines(), err
     result = json.loads(out.strip().splitlines()[-1])

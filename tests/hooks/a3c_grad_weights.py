@@ -1,7 +1,9 @@
 """A hook for a3c_grad's processes (tests put it in a sitecustomize.py). Worker i trains on its
-micro-batches less their first i samples, so the workers' sample counts differ, and worker 0 sends last.
-In the main process, the gradient of every step must be the mean of the gradient slots, each weighted by
-the samples its own worker reported; the count of steps checked is written to $RL_TEST_STEPS at its exit."""
+micro-batches less their first i samples, so the workers' sample counts differ, and worker 0 sends
+last. In the main process, the gradient of every step must be the mean of the gradient slots, each
+weighted by the samples its own worker reported; the count of steps checked is written to
+$RL_TEST_STEPS at its exit."""
+
 import atexit
 import multiprocessing
 import os
@@ -35,23 +37,25 @@ def checking_clip_grad_norm(parameters, *args, **kwargs):
     parameters = list(parameters)
     got = torch.cat([p.grad.flatten() for p in parameters])
     expected = sum(counts[i] * shared["slots"][i] for i in counts) / sum(counts.values())
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7), "a gradient weighted by another worker's samples"
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7), (
+        "a gradient weighted by another worker's samples"
+    )
     checked.append(sorted(counts.values()))
     return clip_grad_norm(parameters, *args, **kwargs)
 
 
 def unequal_unpack_batch_a2c(exps, *args):
-    name = multiprocessing.current_process().name   # "worker i" in a worker, once it runs
+    name = multiprocessing.current_process().name  # "worker i" in a worker, once it runs
     if name.startswith("worker "):
         worker_id = int(name.split()[1])
         exps = exps[worker_id:]
         if worker_id == 0:
-            time.sleep(0.02)   # its message comes after the others'
+            time.sleep(0.02)  # its message comes after the others'
     return unpack_batch_a2c(exps, *args)
 
 
 def write_count():
-    if checked:   # the main process: the others (the resource tracker) check nothing
+    if checked:  # the main process: the others (the resource tracker) check nothing
         with open(os.environ["RL_TEST_STEPS"], "w") as f:
             f.write(str(len(checked)))
 

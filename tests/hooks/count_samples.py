@@ -1,6 +1,7 @@
-"""A hook for a script's processes (tests put it in a sitecustomize.py): torch.compile leaves a function as
-it is, so that every training step runs in Python, and each DQN loss adds the samples it is computed on to
-a total written at the process's exit to $RL_TEST_SAMPLES."""
+"""A hook for a script's processes (tests put it in a sitecustomize.py): torch.compile leaves a
+function as it is, so that every training step runs in Python, and each DQN loss adds the samples it
+is computed on to a total written at the process's exit to $RL_TEST_SAMPLES."""
+
 import atexit
 import os
 

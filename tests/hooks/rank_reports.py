@@ -1,6 +1,7 @@
-"""A hook for a3c_dist's ranks (tests put it in a sitecustomize.py): each time a rank's experience source
-hands over its finished episodes (once a micro-batch, when the rank reports), the rank's frames and the
-count of those episodes go on a line of the file $RL_TEST_REPORTS/<RANK>."""
+"""A hook for a3c_dist's ranks (tests put it in a sitecustomize.py): each time a rank's experience
+source hands over its finished episodes (once a micro-batch, when the rank reports), the rank's
+frames and the count of those episodes go on a line of the file $RL_TEST_REPORTS/<RANK>."""
+
 import os
 
 import common
