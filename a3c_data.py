@@ -79,8 +79,7 @@ def select_actions(net, states, device):
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
-    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its
-    parts."""
+    """A2C loss: value MSE, advantage policy gradient, entropy bonus; returned with its parts."""
     logits, values = net(states)
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
@@ -146,10 +145,9 @@ def data_func(params, args, weights, sample_slots, worker_id, *, send):
 
 
 def make_sample_slots(params, obs_space):
-    """Two slots a worker for the states of its micro-batches: it fills one while the main process
-    copies from the other. A slot holds the most a message can: a micro-batch less one sample, then
-    one step of its envs, each giving up to reward_steps samples (all its last ones, at a game's
-    end)."""
+    """Two slots a worker for its micro-batches' states: it fills one while the main process copies
+    from the other. A slot holds the most a message can: a micro-batch less one sample, then a step
+    of its envs, each giving up to reward_steps samples (all its last ones, at a game's end)."""
     size = params.micro_batch - 1 + params.envs * params.reward_steps
     return torch.from_numpy(
         np.zeros((params.processes, 2, size, *obs_space.shape), obs_space.dtype)

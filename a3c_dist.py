@@ -81,8 +81,7 @@ def select_actions(net, states, device):
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
-    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its
-    parts."""
+    """A2C loss: value MSE, advantage policy gradient, entropy bonus; returned with its parts."""
     logits, values = net(states)
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
@@ -141,8 +140,7 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all
-    the samples."""
+    """Each loss stat of all samples, from the processes' batches weighted by their samples."""
     return {
         name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
         for name in stats_list[0]
@@ -208,8 +206,7 @@ class SilentTracker:
 
 
 def share_weights(net, optimizer):
-    """Rank 0's weights and Adam state (a resumed run's), on every rank; as CPU tensors, as gloo
-    carries them."""
+    """Rank 0's weights and Adam state (a resumed run's) on every rank, as CPU tensors for gloo."""
     weights = torch.nn.utils.parameters_to_vector(net.parameters()).cpu()
     dist.broadcast(weights, src=0)
     torch.nn.utils.vector_to_parameters(weights.to(next(net.parameters()).device), net.parameters())

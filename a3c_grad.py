@@ -79,8 +79,7 @@ def select_actions(net, states, device):
 
 
 def calc_loss_a2c(net, states, actions, ref_vals, entropy_beta):
-    """A2C loss: value MSE, policy gradient with advantage, entropy bonus; returns it and its
-    parts."""
+    """A2C loss: value MSE, advantage policy gradient, entropy bonus; returned with its parts."""
     logits, values = net(states)
     loss_value = F.mse_loss(values, ref_vals)
     log_probs = F.log_softmax(logits, dim=1)
@@ -112,8 +111,7 @@ def grads_func(params, args, weights, grad_slots, step_receiver, worker_id, *, s
     # launch, not tens.
     graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net
     if args.cuda:
-        # The slots are page-locked for speed: the gradient is copied off the GPU into its slot
-        # every step.
+        # Page-locked slots speed up each step's copy of the gradient off the GPU into its slot.
         processes.page_lock(grad_slots)
     env = common.make_fast_env(
         args.env, params.envs, threads=common.cores_per_process(params.processes)
@@ -161,8 +159,7 @@ def mean_grads(net, grads, samples, device):
 
 
 def mean_stats(stats_list, samples):
-    """Each loss stat averaged over the processes' batches, weighted by their samples: that of all
-    the samples."""
+    """Each loss stat of all samples, from the processes' batches weighted by their samples."""
     return {
         name: sum(n * stats[name] for n, stats in zip(samples, stats_list)) / sum(samples)
         for name in stats_list[0]

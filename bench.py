@@ -94,9 +94,8 @@ RULES = [
     ("transport", "a3c_dist.py", {"exchange"}),
 ]
 START_UP = "importlib._bootstrap"  # a sample inside an import is start-up, left out
-# Not the job's: a module named in a helper's command line or in its 3 outermost frames, where it
-# runs after `python -c`, `python -m` or torchrun's launcher (the job calls into one only deeper: to
-# start it).
+# Not the job's: a module named in a helper's command line or in its 3 outermost frames, after
+# `python -c`, `python -m` or torchrun's launcher (the job calls into one only deeper, to start it).
 HELPER = re.compile(
     r"multiprocessing[./]resource_tracker|torch[./]distributed[./]run|compile_worker"
 )
@@ -129,8 +128,7 @@ def category(frames):
 def read_raw(lines):
     """py-spy's raw output (one stack a line: processes, thread, frames, then the sample count) as
     {pid: (parent pid, Counter of categories)}, main threads only, start-up left out, and helpers
-    left out: known by their command line or, as py-spy may read a command line as empty, by their
-    frames."""
+    left out: known by their command line or, as py-spy may read it as empty, by their frames."""
     processes, helpers = {}, set()
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -181,8 +179,7 @@ def find_py_spy():
 
 def profile(cmd, out_file, rate=50, child_name="child"):
     """Run cmd under py-spy, sampling every thread of it and its children, idle or not; returns
-    {label: Counter of categories} and cmd's output. Where py-spy cannot trace, exit 2 with one
-    line."""
+    {label: Counter of categories} and the output. If py-spy cannot trace, exit 2 with one line."""
     spy = find_py_spy()
     if spy is None:
         fail("--profile needs py-spy: pip install -r requirements.txt")
@@ -219,8 +216,7 @@ def profile(cmd, out_file, rate=50, child_name="child"):
 
 
 def shares_table(profiles):
-    """A markdown table: per script and process, each category's share of its main thread's
-    samples."""
+    """A markdown table of each category's share of main-thread samples, per script and process."""
     lines = [
         "| script | process | " + " | ".join(CATEGORIES) + " | samples |",
         "|---|---|" + "---:|" * (len(CATEGORIES) + 1),
@@ -538,8 +534,7 @@ def measure_ceilings(args, device):
         "A2C net": a2c_ceiling(args.env, space, n_actions, device, args.seconds),
     }
     if any(script.startswith("a3c") for script in args.scripts):
-        # What the emulators alone allow the workers, each on its share of the cores: their rates
-        # add up.
+        # What emulators alone allow the workers, each on its share of the cores: their rates' sum.
         ceilings[args.workers] = sum(
             workers_rates(
                 args.env,

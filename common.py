@@ -17,8 +17,7 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 
 # ---------------------------------------------------------------- environments
-# The envs every script knows: their gymnasium ids, and the mean reward of 100 episodes that solves
-# them.
+# The envs every script knows: gymnasium ids, and the mean reward of 100 episodes that solves them.
 ENV_IDS = {"pong": "PongNoFrameskip-v4", "cartpole": "CartPole-v1"}
 STOP_REWARDS = {"pong": 18.0, "cartpole": 195.0}
 FRAME_SKIP = 4  # emulator frames per agent step on Atari: one action, repeated 4 times
@@ -65,8 +64,7 @@ def make_python_env(env, n_envs=1, noop_max=30, render_mode=None):
 
 
 def make_fast_env(env, n_envs=1, threads=0, noop_max=30):
-    """Fast pipeline: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else
-    SyncVectorEnv."""
+    """Fast envs: ale-py's C++ AtariVectorEnv (same preprocessing) for Atari, else SyncVectorEnv."""
     game = atari_game(env)
     if game is None:
         return make_python_env(env, n_envs)
@@ -175,8 +173,7 @@ class ExperienceSourceFirstLast:
 
 
 def digest(frame):
-    """128 bits of BLAKE2b: two different frames of a run share them with odds far below any
-    hardware fault's."""
+    """128 bits of BLAKE2b: two frames of a run collide with odds far below any hardware fault's."""
     return hashlib.blake2b(frame, digest_size=16).digest()
 
 
@@ -195,15 +192,13 @@ class FrameIndex:
         # truncated episode's last transition (an eighth more: episodes of 8 steps and more) and of
         # each env's newest, and the 3 older frames of each env's oldest (64: up to 16 envs).
         self.slots = capacity + capacity // 8 + 64
-        # Each ring position holds its transition's slots: its state's frames, then its next state's
-        # newest.
+        # Each ring position holds the slots of its state's frames, then of its next state's newest.
         self.rows = np.zeros((capacity, (shape[0] if self.stacked else 1) + 1), dtype=np.int64)
         self.load(self.rows[:0], np.zeros((1, *self.frame_shape), self.dtype))
 
     def place(self, pos, exp):
-        """Point ring position pos at a one-step experience's frames, releasing those of the
-        transition it held; returns the (slot, frame) pairs new to the store, for the caller to
-        write there."""
+        """Point ring position pos at a one-step experience's frames, releasing those it held;
+        returns the (slot, frame) pairs new to the store, for the caller to write there."""
         for slot in self.rows[pos]:
             self.uses[slot] -= 1
             if self.uses[slot] == 0:
@@ -232,8 +227,7 @@ class FrameIndex:
         return new
 
     def load(self, rows, frames):
-        """Take a ring's filled rows and the store's frames up to the highest slot they use (on the
-        CPU)."""
+        """Take a ring's filled rows and the store's frames up to their top slot (on the CPU)."""
         self.rows[: len(rows)], self.rows[len(rows) :] = rows, 0
         self.uses = np.bincount(self.rows.ravel(), minlength=self.slots)
         self.uses[0] += 1  # never freed
@@ -247,8 +241,7 @@ class FrameIndex:
 
 
 class ReplayBuffer:
-    """Ring buffer of one-step transitions, sampled uniformly, each frame stored once
-    (FrameIndex)."""
+    """Ring buffer of one-step transitions, sampled uniformly; FrameIndex stores each frame once."""
 
     ARRAYS = ("actions", "rewards", "dones")
 
@@ -279,13 +272,11 @@ class ReplayBuffer:
         self.size = min(self.size + 1, self.capacity)
 
     def sample(self, batch_size):
-        """Arrays (states, actions, rewards, dones, last_states) of batch_size random
-        transitions."""
+        """Arrays (states, actions, rewards, dones, last_states) at batch_size random positions."""
         return self.transitions(self.rng.integers(0, self.size, batch_size))
 
     def transitions(self, idx):
-        """Arrays (states, actions, rewards, dones, last_states) of the transitions at these ring
-        positions."""
+        """Arrays (states, actions, rewards, dones, last_states) at the ring positions idx."""
         # Each row's frames are read once: its state's, and its next state's newest.
         frames = self.frames[self.index.rows[idx]]
         # A next state is its state's frames but the oldest.
@@ -310,8 +301,7 @@ class ReplayBuffer:
         )
 
     def load_state_dict(self, state):
-        """Copy a state_dict's arrays into this buffer's own (from a mapped checkpoint: read as
-        copied)."""
+        """Copy a state_dict's arrays into the buffer (from a mapped checkpoint: read as copied)."""
         self.pos, self.size = state["pos"], state["size"]
         self.frames[: len(state["frames"])] = state["frames"].numpy()
         self.index.load(state["rows"].numpy(), state["frames"])
@@ -358,8 +348,7 @@ class NetworkHealth:
     passes no gradient back, so it stays zero: when a layer has no live units left, every state gets
     the same Q-values."""
 
-    # The fixed batch holds the states at positions spread evenly over the buffer, taken at the
-    # first measure.
+    # The fixed batch holds the states at evenly spread buffer positions at the first measure.
     STATES = 256
 
     def __init__(self, net, buffer):

@@ -71,15 +71,13 @@ class DQN(nn.Module):
 
 
 def epsilon_by_frame(params, frames):
-    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then
-    flat."""
+    """Exploration rate: linear from epsilon_start to epsilon_final in epsilon_frames, then flat."""
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
 class DQNAgent:
-    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers
-    epsilon."""
+    """Epsilon-greedy actions for a batch of states by the net's Q-values; the loop sets epsilon."""
 
     def __init__(self, net, epsilon, device):
         self.net, self.epsilon, self.device = net, epsilon, device

@@ -75,16 +75,14 @@ class DQN(nn.Module):
 
 
 def epsilon_by_frame(params, frames):
-    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then
-    flat."""
+    """Exploration rate: linear from epsilon_start to epsilon_final in epsilon_frames, then flat."""
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
 @torch.no_grad()  # acting needs no graph
 def select_actions(net, states, epsilon):
-    """Epsilon-greedy actions for a batch of states, drawn on their device: no sync but the
-    caller's."""
+    """Epsilon-greedy actions for a state batch, drawn on its device: no sync but the caller's."""
     q_vals = net(states)
     explore = torch.rand(len(states), device=states.device) < epsilon
     random_actions = torch.randint(q_vals.shape[1], (len(states),), device=states.device)
@@ -141,8 +139,7 @@ class DeviceReplayBuffer:
         return min(self.count, self.capacity)
 
     def extend(self, exps):
-        """Store one step's experiences, overwriting the oldest: one copy to the device per
-        array."""
+        """Store a step's experiences, overwriting the oldest: one copy to the device per array."""
         if not exps:
             return
         pos = np.arange(self.count, self.count + len(exps)) % self.capacity
@@ -172,8 +169,7 @@ class DeviceReplayBuffer:
 
     def state_dict(self):
         """The filled part as CPU tensors, each its own storage (torch.save writes no more): the
-        rows, the store of frames up to its highest slot in use, the other columns; and the
-        count."""
+        rows, the store of frames up to its highest used slot, the other columns; and the count."""
         n = len(self)
         filled = {
             name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS
@@ -184,8 +180,7 @@ class DeviceReplayBuffer:
         )
 
     def load_state_dict(self, state):
-        """Copy a state_dict's tensors into this buffer's own, where the compiled step reads
-        them."""
+        """Copy a state_dict's tensors into this buffer's own, which the compiled step reads."""
         self.count = state["count"]
         self.index.load(state["rows"].numpy(), state["frames"])
         self.frames[: len(state["frames"])] = state["frames"].to(self.device)
@@ -214,8 +209,8 @@ class DeviceReplayBuffer:
 class CUDAGraphStep:
     """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the
     first WARMUP_CALLS calls run it on a side stream, the next records it, each one after replays
-    it: the whole training step in one launch, where mode="reduce-overhead" splits it around the
-    backward (docs/HOW.md)."""
+    it: the whole training step in one launch,
+    where mode="reduce-overhead" splits it around the backward (docs/HOW.md)."""
 
     WARMUP_CALLS = 3
 
@@ -250,8 +245,8 @@ def compile_train_step(buffer, net, tgt_net, optimizer, batch_size, gamma):
 
 def compile_or_exit(parser, fn, mode, probe_args):
     """torch.compile(fn, mode=mode), compiled by a first call on probe_args: where it cannot compile
-    (no C++ compiler, a Python this torch cannot compile for) the run stops now, with one line
-    naming dqn_fast.py."""
+    (no C++ compiler, a Python this torch cannot compile for)
+    the run stops now, with one line naming dqn_fast.py."""
     # The compiler's notices of its own choices stay unprinted.
     torch._logging.set_logs(dynamo=logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -305,8 +300,7 @@ if __name__ == "__main__":
     step = compile_train_step(
         buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma
     )
-    # On the GPU, ale-py's envs play the next step in their own threads while the GPU trains on this
-    # one.
+    # On the GPU, ale-py's envs play the next step in their threads as the GPU trains on this one.
     overlap = args.cuda and hasattr(env, "send")
     exp_source = common.ExperienceSourceFirstLast(
         env,

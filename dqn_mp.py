@@ -73,15 +73,13 @@ class DQN(nn.Module):
 
 
 def epsilon_by_frame(params, frames):
-    """Exploration rate: linear from epsilon_start to epsilon_final over epsilon_frames, then
-    flat."""
+    """Exploration rate: linear from epsilon_start to epsilon_final in epsilon_frames, then flat."""
     fraction = min(frames / params.epsilon_frames, 1.0)
     return params.epsilon_start + fraction * (params.epsilon_final - params.epsilon_start)
 
 
 class DQNAgent:
-    """Epsilon-greedy actions from the net's Q-values, for a batch of states; the loop lowers
-    epsilon."""
+    """Epsilon-greedy actions for a batch of states by the net's Q-values; the loop sets epsilon."""
 
     def __init__(self, net, epsilon, device):
         self.net, self.epsilon, self.device = net, epsilon, device
@@ -106,8 +104,8 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 
 def play_func(params, args, weights, frames, *, send):
-    """Child process: from frame count frames on, play with the main process's net, send every
-    step's experience."""
+    """Child process: from frame count frames on, play with the main process's net, and send the
+    main process every step's experience."""
     torch.set_num_threads(1)  # the cores belong to the main process and the envs
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")

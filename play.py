@@ -80,8 +80,7 @@ def greedy_actions(net, states, device):
 
 
 def play(env, agent, episodes, seed, frames=None):
-    """Scores of the given number of episodes; frames, if a list, gets the first one's RGB
-    frames."""
+    """Scores of the given number of episodes; frames, if a list, gets the first's RGB frames."""
     scores, score = [], 0.0
     states, _ = env.reset(seed=seed)
     while len(scores) < episodes:

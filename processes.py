@@ -33,8 +33,7 @@ class ChildProcesses:
         ]
 
     def __enter__(self):
-        """Start the children with Ctrl-C ignored, which they inherit: the run stops through this
-        process alone."""
+        """Start the children with Ctrl-C ignored (inherited): this process alone stops the run."""
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             for proc, child_end in zip(self.procs, self.child_ends):
@@ -150,8 +149,7 @@ def page_lock(tensor):
 # ---------------------------------------------------------------- weights for the children
 class SharedWeights:
     """The main process's weights in one flat shared CPU tensor, for children that act on a GPU (no
-    CUDA tensor crosses processes); a version, as in a seqlock, keeps a child from a copy that a
-    publish overlapped."""
+    CUDA tensor crosses processes); a version, as in a seqlock, keeps a child from a torn copy."""
 
     def __init__(self, net):
         # The children's template is the architecture without its values.
@@ -179,9 +177,8 @@ class SharedWeights:
         return net
 
     def refresh(self, net):
-        """Install the newest published weights in net, a child's copy; True once it holds them. A
-        torn copy is taken again for up to a second (a main process that died mid-publish leaves the
-        version odd)."""
+        """Install the newest weights in net, a child's copy; True once it holds them. A torn copy
+        is retaken for up to a second (a main process dying mid-publish leaves the version odd)."""
         for _ in range(1000):
             version = self.version.value
             if version == self.installed:

@@ -27,8 +27,7 @@ stop_signal = None  # SIGINT or SIGTERM, once one has asked the run to stop
 
 
 class ProcessLost(Exception):
-    """A process of the run is gone (a child, another rank): the run ends with its line and exit
-    code 1."""
+    """A process of the run is gone (a child, another rank): the run exits 1 with its line."""
 
 
 class WriteFailed(Exception):
@@ -43,8 +42,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def bounded(kind, low, high, expected):
-    """An argparse type: a number of that kind (int, float) from low to high, else 'expected ...,
-    got ...'."""
+    """An argparse type: a number of that kind from low to high, else 'expected ..., got ...'."""
 
     def parse(text):
         with contextlib.suppress(ValueError):
@@ -61,8 +59,8 @@ seed_int = bounded(int, 0, 2**30 - 1, f"an integer from 0 to {2**30 - 1}")
 
 
 def argument_parser(description):
-    """The options every training script takes; scripts add their own. --help shows its docstring's
-    first paragraph."""
+    """The options every training script takes; scripts add their own. --help shows the first
+    paragraph of the script's docstring."""
     parser = ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument(
         "--env", choices=sorted(common.ENV_IDS), default="pong", help="env (default: pong)"
@@ -110,8 +108,7 @@ def setup(parser, hyperparams):
 
 
 def options(parser, hyperparams):
-    """The command line over a resumed run's options, else the hyperparameters options are named
-    after (--envs)."""
+    """The command line over a resumed run's options, else like-named hyperparameters (--envs)."""
     args = parser.parse_args()
     script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     # Under torchrun, rank 0 reads the checkpoint and a3c_dist sends it on.
@@ -150,8 +147,7 @@ def options(parser, hyperparams):
 
 
 def bf16_native(cuda):
-    """Whether the GPU (cuda) or the CPU computes in bfloat16 natively; elsewhere torch emulates
-    it."""
+    """Whether the GPU (cuda) or CPU computes in bfloat16 natively; elsewhere torch emulates it."""
     if cuda:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     capabilities = torch.cpu.get_capabilities()
@@ -212,8 +208,7 @@ class EventWriter:
 
     @staticmethod
     def quiet_writer_thread(hook_args):
-        """threading.excepthook: a failed write of TensorBoard's writer thread is left to call()'s
-        one line."""
+        """threading.excepthook: TensorBoard's failed writes are left to call()'s one line."""
         if not (
             isinstance(hook_args.exc_value, OSError)
             and "tensorboard" in type(hook_args.thread).__module__
@@ -223,8 +218,8 @@ class EventWriter:
 
 class RewardTracker:
     """What a run records against frames: TensorBoard scalars, progress lines, the mean of the last
-    100 episodes (solved at the env's bar), best.pt at a new best mean, and the run's time over
-    every segment."""
+    100 episodes (solved at the env's bar), best.pt at a new best mean,
+    and the run's time over every segment."""
 
     STATE = (
         "frames",
@@ -278,8 +273,7 @@ class RewardTracker:
         self.last_print = (self.frames, self.last_update)
 
     def update(self, frames, episodes):
-        """Record the frame count and the finished (reward, steps) episodes; print progress now and
-        then."""
+        """Record the frame count and finished (reward, steps) episodes; print progress at times."""
         now = time.perf_counter()
         self.seconds += now - self.last_update
         if self.training:  # training time counts from the end of the segment's first training step
@@ -335,8 +329,7 @@ class RewardTracker:
                 )
 
     def record_health(self, health):
-        """Log common.NetworkHealth's scalars; the first time a layer is dead, say so in one
-        line."""
+        """Log common.NetworkHealth's scalars; when a layer is first dead, say so in one line."""
         for name, value in health.items():
             self.writer.add_scalar(f"health/{name}", value, self.frames)
         dead = [
@@ -393,8 +386,7 @@ class RewardTracker:
 
 
 class Run:
-    """The with-block around a script's loop: the checkpoint when due, whether to stop, the stop at
-    its exit."""
+    """The with-block around a script's loop: due checkpoints, whether to stop, the stop at exit."""
 
     def __init__(self, args, tracker, checkpoint_contents, rank=0):
         self.args, self.tracker, self.contents, self.rank, self.exit_code = (
@@ -484,8 +476,7 @@ class Run:
         return True
 
     def __exit__(self, exc_type, exc, tb):
-        """Exit codes: 0; 130, 143 for Ctrl-C, SIGTERM; 1 for a lost process; 2 for a failed last
-        checkpoint."""
+        """Exit codes: 0, 130/143 (Ctrl-C/SIGTERM), 1 (lost process), 2 (failed last checkpoint)."""
         if exc_type not in (None, ProcessLost):
             return False
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -512,8 +503,7 @@ class Run:
 
 
 def read_checkpoint(parser, folder, script):
-    """The checkpoint in a run folder, mapped; one missing, damaged, another script's or format's:
-    one line."""
+    """The mapped checkpoint in folder; missing, damaged, another script's or format's: one line."""
     path = os.path.join(folder, CHECKPOINT)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -537,8 +527,7 @@ def read_checkpoint(parser, folder, script):
 
 
 def restore(folder, contents, device):
-    """Restore what contents lists and the random generators; return the counters, for the script to
-    take back."""
+    """Restore what contents lists and the random generators; return the counters to the script."""
     checkpoint = torch.load(
         os.path.join(folder, CHECKPOINT), map_location="cpu", mmap=True, weights_only=True
     )

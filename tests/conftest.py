@@ -13,8 +13,7 @@ import types
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Two tests run at once (pytest.ini): the scripts they start compute on one thread each, as under
-# torchrun.
+# Two tests run at once (pytest.ini): their scripts compute on one thread each, as under torchrun.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took
 # in docs/RESULTS.md's records (DQN 25.8k, A3C 298k).
@@ -49,10 +48,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def signal_handlers():
     """Every test starts with SIGINT as a terminal gives it, and leaves SIGINT and SIGTERM as it
-    found them. A process that a test starts inherits an ignored SIGINT, and Python in it then
-    raises no KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest
-    with SIGINT ignored, and a Run that a test runs in this process ignores both signals at its
-    exit."""
+    found them. A process a test starts inherits an ignored SIGINT, and Python in it then raises no
+    KeyboardInterrupt: a shell without a terminal (nohup, a CI runner) may start pytest with SIGINT
+    ignored, and a Run a test runs in this process ignores both signals at its exit."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield

@@ -198,8 +198,7 @@ def raw_line(processes, tid, frames, count):
     return ";".join(chain + [thread] + [f"{f} ({file}:1)" for f, file in frames]) + f" {count}\n"
 
 
-# py-spy reads a process's command line once, and may read it as empty or, before the exec, as its
-# parent's.
+# py-spy reads a process's command line once, maybe as empty or, before the exec, as its parent's.
 @pytest.mark.parametrize(
     "tracker_cmd",
     ["python -c from multiprocessing.resource_tracker import main;main(5)", "", "python dqn_mp.py"],
@@ -300,10 +299,9 @@ if __name__ == "__main__":
 @slow
 def test_calibration_a_child_that_waits_half_its_time_in_a_pipe_reads_half_waiting(tmp_path):
     """Sampling at 100 Hz for the 6 s of messages, about 600 samples of the child's messages (and
-    300 of its start-up wait, which is waiting too): a binomial share of 600 has a standard
-    deviation of 2 points; py-spy pausing the child to sample it shifts its timing a little.
-    Tolerance: 10 points around the 50% of the 6 s, with the 3 s of waiting before the first message
-    counted in."""
+    300 of its start-up wait, waiting too): a binomial share of 600 has a standard deviation of 2
+    points; py-spy pausing the child to sample it shifts its timing a little. Tolerance: 10 points
+    around the 50% of the 6 s, with the 3 s of waiting before the first message counted in."""
     (tmp_path / "calibrate.py").write_text(CALIBRATION)
     labelled, _ = bench.profile(
         [sys.executable, str(tmp_path / "calibrate.py")], str(tmp_path / "raw"), rate=100
@@ -396,8 +394,7 @@ def test_a_profiled_cartpole_run_finds_every_process_and_its_work(tmp_path):
         ("dqn_mp", "play process"),
     }
     play = shares[("dqn_mp", "play process")]
-    # It plays: on CartPole the emulator's share is under 1% of a process that waits most of its
-    # time.
+    # It plays: on CartPole the emulator's share is under 1% of a process that mostly waits.
     assert play["acting"] + play["emulator"] > 0 and play["training"] == 0 and play["waiting"] > 30
     assert shares[("dqn_mp", "main process")]["training"] > 10
     assert shares[("dqn_baseline", "main process")]["training"] > 10

@@ -78,8 +78,7 @@ def scripted_vec_env(*envs):
 
 
 class CountingAgent:
-    """Call k gives env i the action 10 * k + i, so an experience tells which call chose its
-    action."""
+    """Call k gives env i the action 10 * k + i: an experience tells which call chose its action."""
 
     def __init__(self):
         self.calls = 0
@@ -266,8 +265,7 @@ VECTOR_SPACE = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 
 
 def vector_exp(value, last_state="next"):
-    """Experience whose state is [value] * 4, action value, reward value / 2, last state [value + 1]
-    * 4."""
+    """Experience: state [value] * 4, action value, reward value / 2, last state [value + 1] * 4."""
     state = np.full(4, value, dtype=np.float32)
     last = state + 1 if last_state == "next" else last_state
     return common.ExperienceFirstLast(state, value, value / 2, last, 1)
@@ -350,9 +348,8 @@ def test_replay_samples_only_filled_slots():
 
 
 class ArraysReplayBuffer:
-    """The replay buffer as it was before frames were stored once, the reference that ReplayBuffer's
-    batches must equal byte for byte: each transition's whole state and its next state's newest
-    frame."""
+    """The replay buffer before frames were stored once, the reference that ReplayBuffer's batches
+    must equal byte for byte: each transition's whole state and its next state's newest frame."""
 
     def __init__(self, capacity, obs_space, seed=None):
         self.capacity, self.size, self.pos = capacity, 0, 0
@@ -620,8 +617,7 @@ def test_classic_and_fast_atari_pipelines_start_episodes_alike():
 
 
 class GameOfThreeFrames(gym.Env):
-    """A game that ends on its third frame; it counts its resets and frames and keeps the
-    actions."""
+    """A game ending on its third frame; it counts its resets and frames and keeps the actions."""
 
     observation_space = gym.spaces.Discrete(4)
     action_space = gym.spaces.Discrete(2)
@@ -716,8 +712,7 @@ def fake_env():
 
 @contextlib.contextmanager
 def a_run(args, net=None):
-    """A script's run in short: its tracker, and the Run around its loop, with net all that a
-    checkpoint holds."""
+    """A script's run in short: its tracker, the Run around its loop, net all a checkpoint holds."""
     net = net or nn.Linear(2, 1)
     tracker = runs.RewardTracker(args, net, fake_env())
     with runs.Run(args, tracker, lambda: dict(net=net, tracker=tracker)) as run:
@@ -725,8 +720,7 @@ def a_run(args, net=None):
 
 
 def update(tracker, run, frames, episodes):
-    """A loop's step: the tracker records, the run saves its checkpoint when due and says whether to
-    stop."""
+    """A loop's step: the tracker records; the run checkpoints when due and says whether to stop."""
     tracker.update(frames, episodes)
     run.save_checkpoint_if_due()
     return run.should_stop()
@@ -987,9 +981,8 @@ def test_health_counts_dead_units_active_outputs_and_the_q_spread_worked_out_by_
 
 
 def test_health_keeps_the_states_it_first_took_and_reads_a_convolutions_channel_as_one_unit():
-    # Channel 1 fires at one pixel of one state, channel 2 nowhere: half the channels dead,
-    # 1 of 2 * 2 * 4 outputs above zero; a buffer filled with other states afterwards changes
-    # nothing.
+    # Channel 1 fires at one pixel of one state, channel 2 nowhere: half the channels dead, 1 of
+    # 2 * 2 * 4 outputs above zero; a buffer filled with other states afterwards changes nothing.
     conv = nn.Conv2d(1, 2, kernel_size=1)
     with torch.no_grad():
         conv.weight.copy_(torch.tensor([1.0, -1.0]).view(2, 1, 1, 1))
@@ -1094,8 +1087,7 @@ def test_share_memory_takes_what_just_fits_with_no_margin(fake_shm_free):
 
 
 def test_share_memory_turns_torchs_failure_into_one_line(monkeypatch, capsys):
-    # Where no room is counted first (macOS, Windows), or the count was wrong, torch's failure is
-    # caught.
+    # Where no room is counted first (macOS, Windows), or miscounted, torch's failure is caught.
     weights = processes.SharedWeights(nn.Linear(1000, 1000))
     isdir = os.path.isdir
     # There is no /dev/shm, as on macOS.
@@ -1183,8 +1175,7 @@ def test_child_copy_equals_published_weights_after_refresh_and_lives_on_its_devi
         and weights.flat.nbytes == 4 * (3 * 2 + 2)
         and weights.flat.is_shared()
     )
-    # The tensor is page-locked for the GPU's copies, where Linux allows (no GPU: nothing to lock
-    # for).
+    # The tensor is page-locked for GPU copies, where Linux allows (no GPU: nothing to lock for).
     if device == "cuda":
         assert weights.flat.is_pinned() == (sys.platform == "linux")
     with torch.no_grad():
@@ -1222,8 +1213,7 @@ def test_refresh_gives_up_after_a_second_on_a_publish_that_never_ends_and_keeps_
 
 
 def publish_numbers(weights, *, send):
-    """Child process: publish weights whose every value is the publish's number, 1, 2, 3, ...,
-    forever."""
+    """Child process: publish weights all equal to the publish's number, 1, 2, 3, ..., forever."""
     net = copy.deepcopy(weights.net).to_empty(device="cpu")
     for number in range(1, 10**9):
         with torch.no_grad():

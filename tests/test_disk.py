@@ -40,8 +40,7 @@ def on_small_disk(kib, command, read_only=False, copy=None):
 
 
 def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None):
-    """Run dqn_fast on CartPole with args, runs/ a small disk; returns (exit code, stdout,
-    stderr)."""
+    """Run dqn_fast on CartPole with args, runs/ a small disk: (exit code, stdout, stderr)."""
     command = on_small_disk(kib, [*SCRIPT, *args], read_only, copy)
     if command is None:
         pytest.skip("no user and mount namespaces here (unshare -rm)")
@@ -162,8 +161,7 @@ def test_a_solved_run_whose_last_checkpoint_does_not_fit_is_a_solve(tmp_path):
 
 @pytest.mark.slow
 def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_on(tmp_path):
-    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting as the run goes
-    # on.
+    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting mid-run.
     code, out, err = run_on_small_disk(
         tmp_path, 32, "--max-frames", "20000", "--checkpoint-minutes", "0"
     )

@@ -310,8 +310,7 @@ def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_
 # ---------------------------------------------------------------- the checkpoint
 @pytest.fixture
 def stopped_run(in_tmp, run_main):
-    """A dqn_baseline run on CartPole stopped past its first training steps: Adam's state is in its
-    checkpoint."""
+    """A dqn_baseline run on CartPole stopped mid-training: Adam's state is in its checkpoint."""
     assert run_main("dqn_baseline", "--env", "cartpole", "--max-frames", "1010") == 0
     return the_run(in_tmp)
 

@@ -175,8 +175,7 @@ def test_play_scores_the_trained_dqn_greedily(cartpole_run, tmp_path):
     assert code == 0, err
     scores, result = scores_and_result(out)
     assert len(scores) == result["episodes"] == 5
-    # Pushing one way topples the pole in about 10 steps; trained nets (seeds 1-5) kept it up for
-    # 130-500.
+    # Pushing one way topples the pole in about 10 steps; trained nets (seeds 1-5) lasted 130-500.
     assert result["mean"] >= 50
     # the same seed plays the same episodes
     assert run("play", str(cartpole_run / "best.pt"), "--episodes", "5", cwd=tmp_path)[1] == out
@@ -194,8 +193,7 @@ def test_play_plays_the_best_pt_of_every_kind_of_script(script, tmp_path_factory
 
 
 class Endless(gym.Env):
-    """A game that gives 1 a step and never ends by itself; past 100 steps in all it fails the
-    test."""
+    """A game giving 1 a step, never ending by itself; past 100 steps in all it fails the test."""
 
     observation_space, action_space = gym.spaces.Box(0, 1, (2,)), gym.spaces.Discrete(2)
     steps = 0
@@ -256,8 +254,8 @@ def test_play_acts_greedily_with_the_trained_weights(cartpole_run):
     ),
 )
 def test_each_committed_best_pt_plays_pong_with_todays_network(folder):
-    # The README's play.py commands: each committed agent rebuilt by today's script, playing a few
-    # hundred steps.
+    # The README's play.py commands: each committed agent, rebuilt by today's script,
+    # plays a few hundred steps.
     checkpoint = play.load_checkpoint(os.path.join(REPO, "docs", "runs", folder))
     # This raises ValueError where the weights no longer fit.
     agent = play.build_agent(checkpoint, torch.device("cpu"))

@@ -1,5 +1,4 @@
-"""What the README and the docs say of the code and of the files they point to, checked against
-them."""
+"""What the README and docs say of the code and the files they point to, checked against them."""
 
 import glob
 import os
@@ -103,8 +102,7 @@ def test_the_committed_curves_wall_times_go_on_with_their_frames():
 
 
 def section(path, anchor):
-    """The text under the heading of a markdown file whose GitHub anchor is anchor, to the next
-    heading."""
+    """A markdown file's text under the heading with GitHub anchor anchor, to the next heading."""
     with open(path) as f:
         lines = f.read().splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"#{1,6} ", line)] + [len(lines)]

@@ -61,9 +61,8 @@ def fake_env(shape=(4,)):
 
 
 def transitions(count, seed):
-    """count Pong-shaped one-step transitions of one env's episodes of random frames, each 7th
-    terminal: a state shares all frames but its newest with the next, an episode's first is
-    zero-padded."""
+    """count Pong-shaped one-step transitions of one env's random-frame episodes, each 7th terminal:
+    a state shares all but its newest frame with the next, an episode's first is zero-padded."""
     rng = np.random.default_rng(seed)
 
     def frame():
@@ -548,8 +547,7 @@ class Made(Exception):
 
 
 def options_at_start(monkeypatch):
-    """The options of the next run started in this process, which stops where it makes its tracker
-    (Made)."""
+    """The options of the next run in this process, stopped where it makes its tracker (Made)."""
     options = {}
 
     def tracker(args, *rest, **kwargs):
@@ -694,8 +692,7 @@ def assert_same(saved, restored, where):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tmp_path):
-    """Also each script's CartPole learning in fp32: the two segments solve within the learning
-    budget."""
+    """Also each script's fp32 CartPole learning: both segments solve within the learning budget."""
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, f"{script}.py"), "--env", "cartpole", "--seed", "1"],
         cwd=tmp_path,

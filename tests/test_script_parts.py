@@ -1,5 +1,4 @@
-"""Unit tests of what the scripts define: hyperparameters, networks, losses and gradient
-plumbing."""
+"""Unit tests of what scripts define: hyperparameters, networks, losses and gradient plumbing."""
 
 import copy
 import inspect
@@ -149,8 +148,7 @@ def test_a3c_grad_averaged_worker_gradients_equal_the_gradient_of_the_mean_loss_
     loss_total.backward()
     for got, expected in zip(applied, net.parameters()):
         torch.testing.assert_close(got, expected.grad)
-    # Every stat is a mean over samples: weighted by samples, the workers' stats give that of all
-    # the samples.
+    # Every stat is a mean over samples: weighted by samples, the workers' give that of all samples.
     assert a3c_grad.mean_stats(stats_list, [5, 3]) == pytest.approx(
         {k: v.item() for k, v in stats.items()}
     )
@@ -245,8 +243,7 @@ def test_dqn_compile_train_step_by_hand():
 
 
 def random_dqn_batch(rng, device="cpu"):
-    """Tensors (states, actions, rewards, dones, last_states) of 96 random transitions between
-    4-vectors."""
+    """Tensors (states, actions, rewards, dones, last_states) of 96 random 4-vector transitions."""
     arrays = (
         rng.normal(size=(96, 4)).astype(np.float32),
         rng.integers(2, size=96),
@@ -278,8 +275,7 @@ def pong_played():
 
 @pytest.mark.parametrize("module", DQN_MODULES)
 def test_a_dqn_training_step_feeds_both_networks_pong_frames_scaled_to_0_1(module, pong_played):
-    # What the first layer of the net and of the target net sees, in a step on real Pong frames from
-    # the buffer.
+    # What both networks' first layers see, in a step on real Pong frames from the buffer.
     net = module.DQN((4, 84, 84), 6)
     tgt_net = copy.deepcopy(net)
     seen = []
@@ -784,8 +780,7 @@ def test_bf16_loss_and_gradients_stay_within_the_rounding_bound(
     for m, grad16, grad32 in zip(weighted_layers(net), grads16, grads32):
         assert grad16.dtype == torch.float32
         # The bound is capped: where the sum is ill-conditioned (the first convolution's, 57 to 97
-        # here) the bound passes anything, a zero gradient too; the errors seen there are at most
-        # 0.26.
+        # here) the bound passes anything, a zero gradient too; errors seen there are at most 0.26.
         assert relative_error(grad16, grad32) <= min(bound * condition[m], 0.5), m
     # and bf16 does change them: a run that silently stayed fp32 fails here
     assert any(relative_error(g16, g32) > U / 4 for g16, g32 in zip(grads16, grads32))

@@ -130,8 +130,7 @@ common.ExperienceSourceFirstLast.__iter__ = counting_iter
 runs.RewardTracker.update, torch.optim.Adam.step = counting_update, slow_step
 atexit.register(write_notes)
 """
-# Each child writes the device that its network's first convolution runs on to
-# $RL_TEST_DEVICES/<its name>.
+# Each child writes to $RL_TEST_DEVICES/<its name> the device of its network's first convolution.
 DEVICES_HOOK = """
 import multiprocessing, os
 import torch
@@ -509,8 +508,7 @@ def test_a3c_grad_in_a_40_mib_dev_shm_stops_with_one_line_and_in_64_mib_runs(tmp
 @slow
 @needs_proc
 def test_torchs_own_failure_where_shared_memory_runs_out_ends_with_one_line():
-    # 84 MB go into a 40 MiB /dev/shm, with no room counted first (as on macOS and Windows): torch
-    # fails.
+    # 84 MB go into a 40 MiB /dev/shm with no room counted first (macOS, Windows): torch fails.
     share = (
         "import os, processes, runs, torch; isdir = os.path.isdir; "
         "os.path.isdir = lambda path: path != '/dev/shm' and isdir(path); "
@@ -562,8 +560,7 @@ SHARED_MODULES = ("common", "runs", "processes")  # the modules a script's calls
 
 
 def definitions(module):
-    """{name: (node, lines)} of each top-level definition (class, function, assignment) of a shared
-    module."""
+    """{name: (node, lines)} of each top-level class, function or assignment of a shared module."""
     with open(os.path.join(REPO, f"{module}.py")) as f:
         tree = ast.parse(f.read())
     found = {}
@@ -584,9 +581,8 @@ def definitions(module):
 
 
 def reading_path(script):
-    """The lines a learner reads for a script: its own, and those of every top-level definition of
-    the shared modules that its names reach (module.name in any module, a bare name in its own),
-    followed recursively."""
+    """The lines a learner reads for a script: its own, and those of each shared module's top-level
+    definitions its names reach, recursively (module.name in any module, a bare name in its own)."""
     defs = {module: definitions(module) for module in SHARED_MODULES}
     with open(os.path.join(REPO, script)) as f:
         text = f.read()
@@ -619,9 +615,8 @@ def test_reading_path_counts_the_script_and_each_definition_it_reaches_once(tmp_
 
 
 # Runs a script as `python script.py ARGS` would, from the current folder, and writes where every
-# project module that it loaded came from, at any exit (a3c_dist ends with os._exit), to a file of
-# its own in a folder: torchrun's processes share one stdout, where their lines can run into each
-# other.
+# project module it loaded came from, at any exit (a3c_dist ends with os._exit), to a file of its
+# own in a folder: torchrun's processes share one stdout, where their lines can run into each other.
 ALONE = """
 import atexit, json, os, runpy, sys
 names, folder = sys.argv[1].split(","), sys.argv[2]
@@ -789,8 +784,7 @@ processes._child_main = lockstep_child_main
 FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "4"]}
 
 
-# The DQN scripts' third record is the first step after a target sync (CartPole's target_sync
-# is 200).
+# The DQN scripts' third record is the first step after a target sync (CartPole's target_sync: 200).
 FIRST_STEPS_AT = {
     "dqn_baseline": [1, 2, 201],
     "dqn_fast": [1, 2, 201],
@@ -845,8 +839,7 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     with open(tmp_path / "steps.json") as f:
         steps = json.load(f)
     assert list(steps) == list(expected) == [str(step) for step in FIRST_STEPS_AT[script]]
-    # fp32's first two steps hold on any CPU; bf16 and 200 steps on, kernels of another kind round
-    # otherwise.
+    # fp32's first two steps hold on any CPU; bf16 and 200 steps on, other kernels round otherwise.
     same_kind = record["cpu"] == {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": runs.bf16_native(cuda=False),
@@ -880,8 +873,7 @@ def test_a3c_scales_the_learning_rate_by_the_square_root_of_its_batch(script, tm
 
 
 # ---------------------------------------------------------------- CartPole learning
-# fp32's learning is test_resume's: each script's run, stopped by SIGTERM and resumed, solves
-# within BUDGET.
+# fp32's learning is test_resume's: each run, stopped by SIGTERM and resumed, solves within BUDGET.
 @slow
 @pytest.mark.parametrize(
     "script",
@@ -903,13 +895,11 @@ def test_learns_cartpole_with_bf16_within_budget(script, bf16_solve):
 
 
 # CartPole to 1,400 frames measures a fresh network's health once (at the 200th step): alive, it is
-# not told. The fast tests see each DQN script's stderr empty in
-# test_dqn_trains_32_samples_per_frame.
+# not told. The fast test_dqn_trains_32_samples_per_frame sees each DQN script's stderr empty.
 @slow
 @pytest.mark.parametrize("env, frames", [("cartpole", "1400"), ("pong", "300")])
 def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
-    # torch warned of a loss read while in its graph; ALE printed its banner for each Python Atari
-    # env.
+    # torch warned of a loss read in its graph; ALE printed its banner for each Python Atari env.
     code, out, err = run("dqn_baseline", "--env", env, "--max-frames", frames, cwd=tmp_path)
     assert code == 0 and err == ""
 
@@ -987,8 +977,7 @@ def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("script", MP_SCRIPTS)
 def test_learns_cartpole_with_cuda_within_budget(script, tmp_path):
-    # Every process that runs the network runs it on the GPU (test_runs_on_pong_... checks the
-    # children).
+    # Every process running the net runs it on the GPU (test_runs_on_pong_... checks the children).
     code, out, err = run(
         script,
         "--env",
@@ -1057,8 +1046,7 @@ def test_a_seed_reproduces_a_single_process_run(script, tmp_path):
 
 @slow
 def test_a_seed_reproduces_the_play_process_of_dqn_mp_until_training_starts(tmp_path):
-    # CartPole trains from frame 1000: before that, what the play process does depends on the seed
-    # alone.
+    # CartPole trains from frame 1000: until then, the play process depends on the seed alone.
     rewards = []
     for seed, folder in [(3, "a"), (3, "b"), (4, "c")]:
         (tmp_path / folder).mkdir()
@@ -1081,8 +1069,7 @@ def test_a_seed_reproduces_the_play_process_of_dqn_mp_until_training_starts(tmp_
 # -------------------------------------------------------------- --cuda's lines, on the CPU stand-in
 # Every process writes to $RL_TEST_ACTING/<its name> a digest of the weights it acts with at each
 # acting call (the net of a DQNAgent, or the one an A3C worker's acting function closes over); the
-# process that trains writes to $RL_TEST_ACTING/stepped one of its weights after each optimizer
-# step.
+# training process writes to $RL_TEST_ACTING/stepped one of its weights after each optimizer step.
 ACTING_HOOK = """
 import hashlib, multiprocessing, os
 import torch
@@ -1139,8 +1126,7 @@ def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_sta
     assert code == 0, err
     stepped = set((tmp_path / "acting" / "stepped").read_text().split())
     assert len(stepped) > 10
-    # a3c_data's second worker may start after the first has played the whole run on a loaded
-    # machine.
+    # a3c_data's second worker may start after the first played the whole run on a loaded machine.
     acting = {
         child: (tmp_path / "acting" / child).read_text().split()
         for child in children
@@ -1160,8 +1146,7 @@ def test_a_single_process_script_runs_its_gpu_lines_end_to_end_on_the_cpu_stand_
     script, tmp_path
 ):
     env = hooked_env(tmp_path, CUDA_STANDIN_HOOK)
-    # dqn_compile runs eagerly: its inductor compiles take minutes on a CPU; a3c_dist's graphs are
-    # traced.
+    # dqn_compile runs eagerly: inductor takes minutes on a CPU; a3c_dist's graphs are traced.
     if script == "dqn_compile":
         env["RL_TEST_EAGER"] = "1"
     args = ["--cuda", "--env", "cartpole", "--max-frames", "1300", "--checkpoint-minutes", "0"]
@@ -1526,8 +1511,7 @@ def start_dist(*args, cwd, env=None, ranks=3):
 
 @needs_proc
 def test_a3c_dist_counts_every_ranks_frames_and_each_game_once_and_stops_at_the_total(tmp_path):
-    # The last report of each rank came with the step that stopped the run: the run counted those
-    # before it.
+    # Each rank's last report came with the stopping step: the run counted those before it.
     (tmp_path / "reports").mkdir()
     env = dict(
         hooked_env(tmp_path, open(os.path.join(REPO, "tests", "hooks", "rank_reports.py")).read()),
@@ -1750,9 +1734,8 @@ def test_a3c_dist_ranks_hold_equal_weights_and_step_from_those_of_their_gradient
     assert (
         len(stepped) > 10 and taken[: len(stepped)] == stepped and len(set(stepped)) == len(stepped)
     )
-    # Resumed: every rank builds the same net from the run's seed, so only the broadcasts give ranks
-    # 1 and 2 rank 0's weights from the checkpoint, and its Adam state, which keeps their steps
-    # equal.
+    # Resumed: every rank builds the same net from the seed, so only the broadcasts give ranks 1 and
+    # 2 rank 0's weights from the checkpoint, and its Adam state, which keeps their steps equal.
     (folder,) = (tmp_path / "runs").iterdir()
     # These are the parameters only, in order.
     saved = torch.load(folder / runs.CHECKPOINT, weights_only=True)["net"].values()
@@ -1873,8 +1856,7 @@ def start_ranks(tmp_path, *args, env, ranks=3):
 
 
 def assert_lost_a_rank(rank, proc, out, err):
-    """A rank that lost another ends with code 1 and the one line that says so; rank 0 with its
-    summary."""
+    """A rank that lost another ends with code 1 and one line saying so; rank 0 with its summary."""
     assert proc.returncode == 1, err
     prefix = "a3c_dist.py: error: " + (f"rank {rank} " if rank else "")
     (line,) = our_lines(err)
@@ -1959,8 +1941,7 @@ def test_a3c_dist_a_signal_to_every_rank_ends_each_with_its_code_and_rank_0_with
     assert_none_left(tag)
 
 
-# Rank 1 reports 40 finished episodes of reward 0.5 (no CartPole episode scores that) at its
-# third step.
+# Rank 1 reports 40 finished episodes of reward 0.5 (not a CartPole score) at its third step.
 MANY_EPISODES_HOOK = """
 import os
 import common
