@@ -67,6 +67,60 @@ def marks_table(run_dir, marks):
     return "\n".join(lines[:1] + ["|---|" + "---:|" * len(columns)] + lines[1:])
 
 
+# The book's chapter 9 stops at 17 in ptan's smoothed reward: each game moves it by (1 - 0.98) of
+# the way to its score, from the first game's score.
+BOOK_ALPHA = 0.98
+BOOK_BOUNDS = (17, 18)
+
+
+def game_rewards(run_dir):
+    """Each game's reward, in order: logged, or else recovered from the logged means of the last
+    100, whose sum gains each new game and loses the one 100 games before. None where the means
+    cannot be single games (two games ended at one frame count and kept one point)."""
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    if "episodes/reward" in events.Tags()["scalars"]:
+        return [p.value for p in events.Scalars("episodes/reward")]
+    means = [p.value for p in events.Scalars("episodes/avg_reward")]
+    rewards = []
+    for k, mean in enumerate(means):
+        previous_sum = means[k - 1] * min(k, 100) if k else 0.0
+        reward = mean * min(k + 1, 100) - previous_sum + (rewards[k - 100] if k >= 100 else 0)
+        if abs(reward - round(reward)) > 0.05:  # a game's score in Pong is a whole number
+            return None
+        rewards.append(round(reward))
+    return rewards
+
+
+def solved_at_table(run_dirs):
+    """A markdown table: for each run, the frames at which it first met our rule (the mean of its
+    last 100 games at the env's bar) and the book's (its smoothed reward at 17, and at 18)."""
+    rows = ["| run | games | mean of 100 >= bar | smoothed >= 17 | smoothed >= 18 |"]
+    rows.append("|---|---:|---:|---:|---:|")
+    for run_dir in run_dirs:
+        folder, frames, means = load_curve(run_dir, "frames")
+        bar = common.STOP_REWARDS[folder.split("-")[1]]
+        full = [f for k, (f, m) in enumerate(zip(frames, means)) if k >= 99 and m >= bar]
+        cells = [full[0] if full else None]
+        rewards = game_rewards(run_dir)
+        if rewards is None:
+            cells += ["not derivable"] * len(BOOK_BOUNDS)
+        else:
+            smoothed = []
+            for reward in rewards:
+                last = smoothed[-1] if smoothed else reward
+                smoothed.append(BOOK_ALPHA * last + (1 - BOOK_ALPHA) * reward)
+            for bound in BOOK_BOUNDS:
+                reached = [f for f, s in zip(frames, smoothed) if s >= bound]
+                cells.append(reached[0] if reached else None)
+        text = [
+            c if isinstance(c, str) else "not reached" if c is None else f"{c / 1e6:.2f}M"
+            for c in cells
+        ]
+        rows.append(f"| {folder} | {len(means)} | " + " | ".join(text) + " |")
+    return "\n".join(rows)
+
+
 def mark(text):
     """Frames from a mark such as 0.5M or 200k."""
     scale = {"k": 1e3, "M": 1e6}.get(text[-1:], 1)
@@ -113,8 +167,16 @@ if __name__ == "__main__":
         metavar="FRAMES",
         help="print each run's table at these frames (0.5M, 200k) and its last game, and no plot",
     )
+    parser.add_argument(
+        "--solved-at",
+        action="store_true",
+        help="print the frames at which each run met our rule and the book's, and no plot",
+    )
     args = parser.parse_args()
     try:
+        if args.solved_at:
+            print(solved_at_table(args.run_dirs))
+            sys.exit(0)
         if args.table:
             print(
                 "\n\n".join(marks_table(run_dir, sorted(args.table)) for run_dir in args.run_dirs)

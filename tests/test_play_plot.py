@@ -478,6 +478,30 @@ def test_plot_table_gives_the_first_game_at_or_past_each_mark_and_the_last(
     assert not (tmp_path / "reward.png").exists()
 
 
+@pytest.mark.parametrize("logged", ["rewards", "means only", "a merged point"])
+def test_plot_solved_at_gives_the_frames_of_our_rule_and_of_the_books(logged, tmp_path, in_process):
+    # 100 games alternating 17 and 18, then 100 of 21, game k ending at k * 10,000 frames. Ours: the
+    # mean of 100 after n games of 21 is 18.03 at n = 15 (17.5 + (21 * 15 - 262) / 100), 17.99 at
+    # 14: game 115. The book's smoothed reward starts at 17 (game 1) and nears 17.5: 17.43 at game
+    # 100 (17.5 - 0.5 * 0.98 ** 99, within 0.01), then 21 - 3.57 * 0.98 ** n after n games of 21:
+    # 18.02 at n = 9, 17.96 at 8: game 109.
+    rewards = [17.0, 18.0] * 50 + [21.0] * 100
+    folder = tmp_path / "runs" / "dqn_fast-pong-test"
+    with SummaryWriter(str(folder)) as writer:
+        for k, reward in enumerate(rewards, start=1):
+            if logged == "a merged point" and k == 50:
+                continue  # two games at one frame count: one point kept
+            if logged == "rewards":
+                writer.add_scalar("episodes/reward", reward, 10_000 * k)
+            mean = np.mean(rewards[max(0, k - 100) : k])
+            writer.add_scalar("episodes/avg_reward", mean, 10_000 * k)
+    code, out, err = in_process("plot", str(folder), "--solved-at")
+    assert code == 0 and err == ""
+    book = "not derivable | not derivable" if logged == "a merged point" else "0.01M | 1.09M"
+    games = 199 if logged == "a merged point" else 200
+    assert out.splitlines()[2] == f"| dqn_fast-pong-test | {games} | 1.15M | {book} |"
+
+
 @slow
 def test_plot_curve_of_a_solved_run_ends_at_the_stop_reward(cartpole_run):
     _, _, means = plot.load_curve(str(cartpole_run), "frames")

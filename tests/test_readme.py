@@ -45,6 +45,23 @@ def test_each_curve_table_in_results_is_what_its_command_prints_from_the_committ
         )
 
 
+def test_the_solved_at_table_in_results_is_what_its_command_prints_from_the_committed_events():
+    sys.path.insert(0, REPO)
+    import plot
+
+    with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
+        text = f.read()
+    # The table after the paragraph that quotes the command: lines from "|" to the end of each.
+    (table,) = re.findall(r"--solved-at docs/runs/\*`[^|]*?\n\n((?:\|[^\n]*\n)+)", text)
+    run_dirs = sorted(glob.glob(os.path.join(REPO, "docs", "runs", "*")))
+    assert plot.solved_at_table(run_dirs) == table.strip()
+
+
+def test_results_stays_evidence_in_at_most_6500_words():
+    with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
+        assert len(f.read().split()) <= 6500
+
+
 def test_the_readme_stays_short_with_its_results_table_in_its_first_60_lines():
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
