@@ -904,37 +904,50 @@ def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
     assert code == 0 and err == ""
 
 
-@pytest.mark.parametrize("script", slow_but("dqn_baseline", DQN_SCRIPTS))
-def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once_and_logs_its_health(
-    script, tmp_path
-):
-    # CartPole trains from 1,000 frames and measures the health every 200 steps: to 2,000 frames,
-    # five measures with one env, one with three envs a step.
-    hook = open(os.path.join(REPO, "tests", "hooks", "first_layer_dead.py")).read()
-    code, out, err = run(
-        script,
-        "--env",
-        "cartpole",
-        "--max-frames",
-        "2000",
-        "--checkpoint-minutes",
-        "0",
-        cwd=tmp_path,
-        env=hooked_env(tmp_path, hook),
-    )
-    assert code == 0, err
+def assert_told_of_the_dead_first_layer(script, err, folder):
+    """One warning naming relu1 and what to do, and the health scalars in the run's events."""
     (warning,) = our_lines(err)
-    assert (
-        warning.startswith(f"{script}.py: warning: at ")
-        and " relu1 " in warning
-        and "--seed" in warning
-    )
-    scalars = events(tmp_path)
-    assert (
-        set(scalars["health/relu1/active"]) == {0.0}
-        and scalars["health/relu1/dead_units"][-1] == 1.0
-    )
+    assert warning.startswith(f"{script}.py: warning: at ") and " relu1 " in warning
+    assert "--seed" in warning
+    scalars = events(folder)
+    assert set(scalars["health/relu1/active"]) == {0.0}
+    assert scalars["health/relu1/dead_units"][-1] == 1.0
     assert {"health/relu2/active", "health/relu2/dead_units", "health/q_spread"} <= set(scalars)
+
+
+# CartPole trains from 1,000 frames and measures the health every 200 steps: to 2,000 frames, five
+# measures with one env, one with three envs a step.
+def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
+    run_main, monkeypatch, capsys, tmp_path
+):
+    sys.path.insert(0, REPO)
+    import common
+
+    watch = common.NetworkHealth.__init__
+
+    def watch_with_the_first_layer_dead(self, net, buffer):
+        with torch.no_grad():
+            net.body[0].bias.fill_(-100.0)
+        watch(self, net, buffer)
+
+    monkeypatch.setattr(common.NetworkHealth, "__init__", watch_with_the_first_layer_dead)
+    monkeypatch.chdir(tmp_path)
+    code = run_main(
+        "dqn_baseline", "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"
+    )
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert_told_of_the_dead_first_layer("dqn_baseline", err, tmp_path)
+
+
+@slow
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_each_dqn_whose_first_layer_fires_on_no_state_says_so_once(script, tmp_path):
+    hook = open(os.path.join(REPO, "tests", "hooks", "first_layer_dead.py")).read()
+    args = ["--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"]
+    code, out, err = run(script, *args, cwd=tmp_path, env=hooked_env(tmp_path, hook))
+    assert code == 0, err
+    assert_told_of_the_dead_first_layer(script, err, tmp_path)
 
 
 # the CPU's capabilities as torch reads them, but for bfloat16: native where $RL_TEST_BF16 is 1
