@@ -1,7 +1,9 @@
 """Plain `pytest` runs the fast tests; `pytest --all` adds those marked slow (learning CartPole,
 the whole stop and signal matrix, Pong and torchrun runs, play and plot on a trained run)."""
 
+import json
 import os
+import pathlib
 import re
 import runpy
 import signal
@@ -11,8 +13,11 @@ import sys
 import types
 
 import pytest
+import torch
 
+# The repository: pytest.ini puts it on sys.path, so that tests import the scripts.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOOKS = pathlib.Path(__file__).parent / "hooks"
 # Two tests run at once (pytest.ini): their scripts compute on one thread each, as under torchrun.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took
@@ -26,6 +31,13 @@ BUDGET = {
     "a3c_grad": 600_000,
     "a3c_dist": 600_000,
 }
+DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
 
 
 def pytest_addoption(parser):
@@ -68,47 +80,15 @@ def hooked_env(tmp_path, hook, env=None):
     return dict(env, PYTHONPATH=os.pathsep.join(paths))
 
 
-# --cuda's lines on a CPU, for a test's processes: a "cuda" device is the CPU, there is one GPU, its
-# generator is torch's, page_lock checks that it is given a shared CPU tensor, torch.compile traces
-# and runs as on a CPU (where it records no CUDA graph), and $RL_TEST_EAGER leaves it out. What only
-# a GPU runs stays untested here: CUDA graphs, page-locked and non-blocking copies (docs/HOW.md).
-CUDA_STANDIN_HOOK = """
-import os
-import torch
-_device = torch.device
-class _DeviceType(type):
-    def __instancecheck__(cls, obj):
-        return isinstance(obj, _device)
-class StandInDevice(metaclass=_DeviceType):
-    def __new__(cls, kind, index=None):
-        if str(kind).startswith("cuda"):
-            return _device("cpu")
-        return _device(kind) if index is None else _device(kind, index)
-torch.device = StandInDevice
-torch.cuda.is_available = lambda: True
-torch.accelerator.current_accelerator = lambda check_available=False: None   # what Adam asks
-torch.cuda.device_count = lambda: 1
-torch.cuda.set_device = lambda device: None
-torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-torch.cuda.set_rng_state = lambda state, device="cuda": None
-_compile = torch.compile
-class StandInCompiled(\
-torch.nn.Module):   # torch.compile's, traced and run as on a CPU, where it sees no GPU
-    def __init__(self, fn, **kwargs):
-        super().__init__()
-        self.compiled = _compile(fn, **kwargs)   # a module's parameters are this one's too
-    def forward(self, *args, **kwargs):
-        torch.cuda.is_available = lambda: False
-        try:
-            return self.compiled(*args, **kwargs)
-        finally:
-            torch.cuda.is_available = lambda: True
-torch.compile = (lambda fn, **kwargs: fn) if os.environ.get("RL_TEST_EAGER") else StandInCompiled
-import processes
-def page_lock(tensor):
-    assert tensor.device.type == "cpu" and tensor.is_shared(), "page_lock takes a shared CPU tensor"
-processes.page_lock = page_lock
-"""
+def hook(name):
+    """The source of tests/hooks/<name>.py, for hooked_env; hooks run together are added up into one
+    sitecustomize.py (hook("cuda_standin") + hook("acting_weights")), in the order given."""
+    return (HOOKS / f"{name}.py").read_text()
+
+
+def summary(out):
+    """The JSON object on the last line of a script's output."""
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def our_lines(err):
@@ -181,7 +161,6 @@ def run_main(monkeypatch):
 def in_process(run_main, monkeypatch):
     """run_main for a command line that must stop in its checks, before any work: an env made here
     fails the test."""
-    sys.path.insert(0, REPO)
     import common
 
     def refuse(*args, **kwargs):

@@ -6,18 +6,15 @@ runs: slow set)."""
 import json
 import multiprocessing
 import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
-from conftest import hooked_env, our_lines  # noqa: E402
+import bench
+from conftest import REPO, hook, hooked_env, our_lines
 
-REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 slow = pytest.mark.slow
 
 LOOP = [("<module>", "dqn_fast.py"), ("ExperienceSourceFirstLast.__iter__", "common.py")]
@@ -495,18 +492,10 @@ def test_bench_bf16_tables_each_script_in_both_precisions_and_their_ratio(tmp_pa
     assert "Ceilings with bf16: DQN net " in out
 
 
-FAILING_HOOK = """
-import os, sys
-if sys.orig_argv[1:] and sys.orig_argv[1].endswith("dqn_fast.py"):   # as a script answers bad input
-    print("dqn_fast.py: error: injected", file=sys.stderr, flush=True)
-    os._exit(2)
-"""
-
-
 @slow
 def test_a_script_that_fails_under_bench_ends_it_with_one_line_and_exit_code_2(tmp_path):
     code, out, err = bench_run(
-        tmp_path, "--scripts", "dqn_fast", env=hooked_env(tmp_path, FAILING_HOOK)
+        tmp_path, "--scripts", "dqn_fast", env=hooked_env(tmp_path, hook("dqn_fast_fails"))
     )
     assert code == 2 and "| dqn_fast" not in out
     assert our_lines(err) == [

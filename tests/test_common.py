@@ -6,7 +6,6 @@ import copy
 import itertools
 import json
 import os
-import pathlib
 import pickle
 import signal
 import subprocess
@@ -21,21 +20,13 @@ import torch
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-# This lets plain `pytest` find common.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import a3c_dist  # noqa: E402
-import common  # noqa: E402
-import processes  # noqa: E402
-import runs  # noqa: E402
-from conftest import our_lines  # noqa: E402
+import a3c_dist
+import common
+import processes
+import runs
+from conftest import DEVICES, REPO, our_lines
 
 GAMMA = 0.5
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 
 
 # ---------------------------------------------------------------- a scripted env
@@ -865,7 +856,7 @@ runs.save_whole({"value": 2, "stall": Stall()}, sys.argv[1])
 def test_save_whole_killed_in_the_middle_leaves_the_old_file_whole(tmp_path):
     path = tmp_path / "best.pt"
     proc = subprocess.Popen(
-        [sys.executable, "-c", STALLED_WRITE, str(path), str(pathlib.Path(__file__).parent.parent)],
+        [sys.executable, "-c", STALLED_WRITE, str(path), REPO],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -3,7 +3,6 @@ whose disk fills keeps what it had (the checkpoint before, best.pt whole), says 
 reports its outcome; a resumed run holds no mapping of the checkpoint it replaced. The faults are
 made for real: a small or read-only tmpfs at runs/, in a user and mount namespace (Linux)."""
 
-import json
 import os
 import re
 import signal
@@ -12,10 +11,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import runs  # noqa: E402
-from conftest import our_lines  # noqa: E402
+import runs
+from conftest import REPO, our_lines, summary
 
 SCRIPT = [sys.executable, os.path.join(REPO, "dqn_fast.py"), "--env", "cartpole"]
 
@@ -46,10 +43,6 @@ def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None):
         pytest.skip("no user and mount namespaces here (unshare -rm)")
     proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
-
-
-def summary(out):
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def made_run(where, frames):

@@ -19,17 +19,14 @@ import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import a3c_data  # noqa: E402
-import a3c_dist as a3c_dist_script  # noqa: E402
-import a3c_grad  # noqa: E402
-import common  # noqa: E402
-import dqn_compile  # noqa: E402
-import runs  # noqa: E402
-from conftest import free_port, hooked_env, our_lines  # noqa: E402
+import a3c_data
+import a3c_dist as a3c_dist_script
+import a3c_grad
+import common
+import dqn_compile
+import runs
+from conftest import DQN_SCRIPTS, REPO, free_port, hook, hooked_env, our_lines
 
-DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}  # frames a training step
 # Every DQN script's CartPole hyperparameters: training from frame 1,000, a target sync every 200
 # training steps (tests/test_script_parts.py checks they are the same).
@@ -202,30 +199,11 @@ def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_log
 
 
 # ---------------------------------------------------------------- A3C's gradient clip
-# The process that steps writes to $RL_TEST_CLIP each clip's max norm and the norm it found, and the
-# norm of the gradient that each optimizer step applies.
-CLIP_HOOK = """
-import os
-import torch
-_clip, _step = torch.nn.utils.clip_grad_norm_, torch.optim.Adam.step
-def write(line):
-    with open(os.environ["RL_TEST_CLIP"], "a") as f:
-        f.write(line + "\\n")
-def recording_clip(parameters, max_norm, *args, **kwargs):
-    norm = _clip(parameters, max_norm, *args, **kwargs)
-    write(f"clip {max_norm} {float(norm)}")
-    return norm
-def recording_step(self, *args, **kwargs):
-    grads = [p.grad.flatten() for group in self.param_groups for p in group["params"]]
-    write(f"step {float(torch.cat(grads).norm())}")
-    return _step(self, *args, **kwargs)
-torch.nn.utils.clip_grad_norm_, torch.optim.Adam.step = recording_clip, recording_step
-"""
 
 
 @pytest.mark.parametrize("script", ["a3c_data", "a3c_grad", "a3c_dist"])
 def test_each_a3c_step_applies_the_gradient_clipped_to_clip_grad(script, tmp_path):
-    env = dict(hooked_env(tmp_path, CLIP_HOOK), RL_TEST_CLIP=str(tmp_path / "clips"))
+    env = dict(hooked_env(tmp_path, hook("record_clips")), RL_TEST_CLIP=str(tmp_path / "clips"))
     args = ["--env", "cartpole", "--max-frames", "1000", "--checkpoint-minutes", "0"]
     if script == "a3c_dist":
         assert a3c_dist(*args, cwd=tmp_path, env=env) == 0

@@ -16,14 +16,12 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
-sys.path.insert(0, REPO)
-import a3c_data  # noqa: E402
-import common  # noqa: E402
-import dqn_baseline  # noqa: E402
-import play  # noqa: E402
-import plot  # noqa: E402
-from conftest import our_lines  # noqa: E402
+import a3c_data
+import common
+import dqn_baseline
+import play
+import plot
+from conftest import REPO, our_lines
 
 slow = pytest.mark.slow
 # One worker makes the runs that the module's tests share.

@@ -4,11 +4,11 @@ import glob
 import os
 import re
 import subprocess
-import sys
 
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link's target
 ROW = re.compile(r"^\| `(\w+)\.py` \|.*\| `(\w+)\.py` \| \+(\d+) -(\d+) \|", re.MULTILINE)
 # a table that samples a run's curve, after the command that prints it
@@ -32,7 +32,6 @@ def test_the_changed_lines_column_is_what_git_diff_counts():
 
 
 def test_each_curve_table_in_results_is_what_its_command_prints_from_the_committed_events():
-    sys.path.insert(0, REPO)
     import plot
 
     with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
@@ -46,7 +45,6 @@ def test_each_curve_table_in_results_is_what_its_command_prints_from_the_committ
 
 
 def test_the_solved_at_table_in_results_is_what_its_command_prints_from_the_committed_events():
-    sys.path.insert(0, REPO)
     import plot
 
     with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
@@ -140,7 +138,6 @@ def test_the_readmes_pong_solves_are_the_last_column_of_their_runs_curves():
     # Each bold Pong cell "**1.52M, 549 min**" is the last game of the run whose curve table its
     # RESULTS section derives from the committed events: frames to two decimals, run minutes as the
     # cell rounds them.
-    sys.path.insert(0, REPO)
     import plot
 
     with open(os.path.join(REPO, "README.md")) as f:
@@ -180,7 +177,6 @@ def test_the_first_runs_last_line_in_the_readme_has_the_fields_a_run_prints_each
     import json
     import types
 
-    sys.path.insert(0, REPO)
     import runs
 
     with open(os.path.join(REPO, "README.md")) as f:
@@ -214,7 +210,6 @@ def test_the_fp32_dqn_fast_run_against_dqn_baseline_bf16_as_results_states_it():
     # RESULTS: from 0.6M to 1.3M frames within 1.21 of dqn_baseline --bf16's mean (the most at
     # 736,735); from 1.2M to 1.45M the mean between +17.1 and +17.6, games scoring 8 to 21 (each
     # game's score from the means).
-    sys.path.insert(0, REPO)
     import plot
 
     _, fast_frames, fast_means = plot.load_curve(

@@ -20,19 +20,11 @@ import torch
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import common  # noqa: E402
-import dqn_compile  # noqa: E402
-import runs  # noqa: E402
-from conftest import BUDGET, hooked_env, our_lines  # noqa: E402
+import common
+import dqn_compile
+import runs
+from conftest import BUDGET, DEVICES, REPO, hook, hooked_env, our_lines
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad"]
 SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
@@ -587,23 +579,11 @@ def test_a_second_resume_plays_with_the_runs_seed_offset_twice(
 
 
 # ---------------------------------------------------------------- a kill mid-write
-SLOW_WRITE_HOOK = """
-import os, time, runs
-save_whole = runs.save_whole
-def slow_save_whole(obj, path):
-    if path.endswith("checkpoint.pt") and os.environ.get("RL_SLOW_CHECKPOINT"):
-        with open(path + ".tmp", "wb") as f:   # half a file, as a write that the kill cuts
-            f.write(b"PK" * 1000)
-        print("writing", flush=True)
-        time.sleep(60)
-    save_whole(obj, path)
-runs.save_whole = slow_save_whole
-"""
 
 
 @pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_leaves_the_last_one_and_resume_goes_on_from_it(tmp_path):
-    env = hooked_env(tmp_path, SLOW_WRITE_HOOK)
+    env = hooked_env(tmp_path, hook("slow_checkpoint_write"))
     code, _, err = run_script(
         "dqn_baseline", "--env", "cartpole", "--max-frames", "2000", cwd=tmp_path, env=env
     )
@@ -659,20 +639,6 @@ STOP_AT = {
 }
 
 
-# what the script's checkpoint_contents() holds as its loop begins, to $RL_TEST_RESTORED
-RESTORED_HOOK = """
-import os, torch, runs
-enter = runs.Run.__enter__
-def recording_enter(self):
-    contents = self.contents()
-    torch.save({name: value.state_dict() if hasattr(value, "state_dict") else value \
-for name, value in contents.items()},
-               os.environ["RL_TEST_RESTORED"])
-    return enter(self)
-runs.Run.__enter__ = recording_enter
-"""
-
-
 def assert_same(saved, restored, where):
     """Two state_dicts (nested dicts and lists of tensors and plain values) hold equal values."""
     if isinstance(saved, dict):
@@ -721,7 +687,10 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     assert own_count == stopped["frames"]  # the count the script plays on from
     before = scalars(folder)
 
-    env = dict(hooked_env(tmp_path, RESTORED_HOOK), RL_TEST_RESTORED=str(tmp_path / "restored.pt"))
+    env = dict(
+        hooked_env(tmp_path, hook("record_restored")),
+        RL_TEST_RESTORED=str(tmp_path / "restored.pt"),
+    )
     code, out, err = run_script(
         script, "--resume", str(folder), "--max-frames", str(BUDGET[script]), cwd=tmp_path, env=env
     )

@@ -2,8 +2,6 @@
 
 import copy
 import inspect
-import pathlib
-import sys
 import time
 import types
 
@@ -12,27 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-# This lets plain `pytest` find the scripts.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import a3c_data  # noqa: E402
-import a3c_dist  # noqa: E402
-import a3c_grad  # noqa: E402
-import common  # noqa: E402
-import dqn_baseline  # noqa: E402
-import dqn_compile  # noqa: E402
-import dqn_fast  # noqa: E402
-import dqn_mp  # noqa: E402
-import processes  # noqa: E402
-import runs  # noqa: E402
+import a3c_data
+import a3c_dist
+import a3c_grad
+import common
+import dqn_baseline
+import dqn_compile
+import dqn_fast
+import dqn_mp
+import processes
+import runs
+from conftest import DEVICES
 
 DQN_MODULES = [dqn_baseline, dqn_fast, dqn_mp, dqn_compile]
 GAMMA = 0.5
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 A3C_MODULES = [a3c_data, a3c_grad]
 
 

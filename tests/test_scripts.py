@@ -21,15 +21,22 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import a3c_dist  # noqa: E402
-import common  # noqa: E402
-import processes  # noqa: E402
-import runs  # noqa: E402
-from conftest import BUDGET, CUDA_STANDIN_HOOK, free_port, hooked_env, our_lines  # noqa: E402
+import a3c_dist
+import common
+import processes
+import runs
+from conftest import (
+    BUDGET,
+    DEVICES,
+    DQN_SCRIPTS,
+    REPO,
+    free_port,
+    hook,
+    hooked_env,
+    our_lines,
+    summary,
+)
 
-DQN_SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile"]
 A3C_SCRIPTS = ["a3c_data", "a3c_grad"]
 MP_SCRIPTS = ["dqn_mp", "a3c_data", "a3c_grad"]
 # Where a test runs a script for what its processes do, not for what it learns, the A3C scripts run
@@ -43,12 +50,6 @@ CHILDREN = {
     "a3c_data": ["worker 0", "worker 1"],
     "a3c_grad": ["worker 0", "worker 1"],
 }
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 SCRIPTS = DQN_SCRIPTS + A3C_SCRIPTS
 A3C_TAGS = [
     "train/advantage",
@@ -60,126 +61,6 @@ A3C_TAGS = [
     "train/grad_l2",
     "train/grad_max",
 ]
-# only the first child crashes: the others go on feeding the queue, which must not hide the crash
-CRASH_HOOK = """
-import multiprocessing
-import common
-_iter = common.ExperienceSourceFirstLast.__iter__
-def crashing_iter(self):
-    for step, exps in enumerate(_iter(self)):
-        if step == 20 and multiprocessing.current_process().name in ("play process", "worker 0"):
-            raise RuntimeError("injected crash")
-        yield exps
-common.ExperienceSourceFirstLast.__iter__ = crashing_iter
-"""
-# the play process, or worker 0, writes half of its 20th message, says so in $RL_TEST_STALLED (its
-# pid), and stalls there: whatever kills it then kills it in the middle of a message
-MID_MESSAGE_HOOK = """
-import multiprocessing, multiprocessing.connection, os, time
-_send, sent = multiprocessing.connection.Connection._send, []
-def stalling_send(self, buf, *args):
-    if multiprocessing.current_process().name in ("play process", "worker 0") and len(buf) > 100:
-        sent.append(len(buf))
-        if len(sent) == 20:
-            _send(self, buf[:len(buf) // 2], *args)
-            with open(os.environ["RL_TEST_STALLED"], "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(600)
-    return _send(self, buf, *args)
-multiprocessing.connection.Connection._send = stalling_send
-"""
-# each spawned child, as its interpreter starts and before it imports anything of the script, drops
-# a file named by its pid in $RL_TEST_STARTING and waits there for 5 seconds
-STARTING_HOOK = """
-import os, sys, time
-if "spawn_main" in " ".join(sys.orig_argv):
-    open(os.path.join(os.environ["RL_TEST_STARTING"], str(os.getpid())), "w").close()
-    time.sleep(5)
-"""
-# a learner that takes 20 ms a training step; after each, it notes how many messages it has taken
-# and how many steps the play process has played: the play process writes that number to
-# $RL_TEST_AHEAD/played after every step, the learner its notes to $RL_TEST_AHEAD/notes at exit
-SLOW_LEARNER_HOOK = """
-import atexit, multiprocessing, os, time
-import torch
-import common, runs
-folder = os.environ["RL_TEST_AHEAD"]
-_iter, _update, _step = common.ExperienceSourceFirstLast.__iter__, runs.RewardTracker.update, \
-torch.optim.Adam.step
-taken, notes = [0], []
-def counting_iter(self):
-    for count, exps in enumerate(_iter(self), 1):
-        if multiprocessing.current_process().name == "play process":
-            with open(os.path.join(folder, "played.new"), "w") as f:
-                f.write(str(count))
-            os.replace(os.path.join(folder, "played.new"), os.path.join(folder, "played"))
-        yield exps
-def counting_update(self, *args):
-    taken[0] += 1
-    return _update(self, *args)
-def slow_step(self, *args, **kwargs):
-    time.sleep(0.02)
-    with open(os.path.join(folder, "played")) as f:
-        notes.append((taken[0], int(f.read())))
-    return _step(self, *args, **kwargs)
-def write_notes():
-    if notes:
-        with open(os.path.join(folder, "notes"), "w") as f:
-            f.write("\\n".join(f"{t} {p}" for t, p in notes))
-common.ExperienceSourceFirstLast.__iter__ = counting_iter
-runs.RewardTracker.update, torch.optim.Adam.step = counting_update, slow_step
-atexit.register(write_notes)
-"""
-# Each child writes to $RL_TEST_DEVICES/<its name> the device of its network's first convolution.
-DEVICES_HOOK = """
-import multiprocessing, os
-import torch
-_forward, _seen = torch.nn.Conv2d.forward, set()
-def recording_forward(self, x):
-    name = multiprocessing.current_process().name
-    if name != "MainProcess" and name not in _seen:
-        _seen.add(name)
-        with open(os.path.join(os.environ["RL_TEST_DEVICES"], name), "w") as f:
-            f.write(self.weight.device.type)
-    return _forward(self, x)
-torch.nn.Conv2d.forward = recording_forward
-"""
-# the process that drew samples from the replay buffer writes how many, in all, to $RL_TEST_SAMPLES;
-# every other Python process of the run (the play process, multiprocessing's resource tracker)
-# runs this hook too, and must not overwrite it
-# a DQN script's replay warm-up is $RL_TEST_REPLAY_START frames, not Pong's 10,000
-SHORT_WARM_UP_HOOK = """
-import os
-import runs
-_setup = runs.setup
-def short_warm_up_setup(*args):
-    args, params = _setup(*args)
-    if hasattr(params, "replay_start"):
-        params.replay_start = int(os.environ["RL_TEST_REPLAY_START"])
-    return args, params
-runs.setup = short_warm_up_setup
-"""
-
-# every process writes a line to $RL_TEST_WEIGHTS/<its name> with a digest of the weights: a worker
-# when it is about to take a gradient (net.zero_grad()), the learner before each optimizer step
-WEIGHTS_HOOK = """
-import hashlib, multiprocessing, os
-import torch
-def digest(params):
-    return hashlib.md5(b"".join(p.detach().cpu().numpy().tobytes() for p in params)).hexdigest()
-def record(params):
-    name = os.environ.get("RANK") or multiprocessing.current_process().name
-    with open(os.path.join(os.environ["RL_TEST_WEIGHTS"], name), "a") as f:
-        f.write(digest(params) + "\\n")
-_zero_grad, _step = torch.nn.Module.zero_grad, torch.optim.Adam.step
-def recording_zero_grad(self, *args, **kwargs):
-    record(self.parameters())
-    return _zero_grad(self, *args, **kwargs)
-def recording_step(self, *args, **kwargs):
-    record(p for group in self.param_groups for p in group["params"])
-    return _step(self, *args, **kwargs)
-torch.nn.Module.zero_grad, torch.optim.Adam.step = recording_zero_grad, recording_step
-"""
 
 
 def assert_steps_average_one_gradient_per_worker_at_their_weights(folder, learner, workers):
@@ -212,11 +93,6 @@ def run(script, *args, cwd, env=None, timeout=900):
     proc = start(script, *args, cwd=cwd, env=env)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def summary(out):
-    """The JSON object on the last line of a script's output."""
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def events(cwd):
@@ -691,7 +567,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     options += ["--cuda"] if device == "cuda" else []
     (tmp_path / "devices").mkdir()
     env = dict(
-        hooked_env(tmp_path, DEVICES_HOOK + SHORT_WARM_UP_HOOK),
+        hooked_env(tmp_path, hook("child_devices") + hook("short_warm_up")),
         RL_TEST_DEVICES=str(tmp_path / "devices"),
         RL_TEST_REPLAY_START=str(warm_up),
     )
@@ -729,58 +605,6 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
 
 
 # ---------------------------------------------------------------- the same math from a seed
-# the sum of each parameter after the optimizer steps listed in $RL_TEST_AT of the training process
-# (rank 0's under torchrun), written by the hook in $RL_TEST_STEPS
-FIRST_STEPS_HOOK = """
-import json, multiprocessing.connection, os
-import torch
-import processes
-_step, _wanted, _after = torch.optim.Adam.step, json.loads(os.environ["RL_TEST_AT"]), {}
-def recording_step(self, *args, **kwargs):
-    result = _step(self, *args, **kwargs)
-    recording_step.steps += 1
-    if recording_step.steps in _wanted and (os.environ.get("RANK") or "0") == "0":
-        _after[recording_step.steps] = [float(p.detach().double().sum())
-                                        for group in self.param_groups for p in group["params"]]
-        with open(os.environ["RL_TEST_STEPS"], "w") as f:
-            json.dump(_after, f)
-    return result
-recording_step.steps = 0
-torch.optim.Adam.step = recording_step
-
-# children act with the weights that the main process's steps change: here a child acts again
-# only once the main process waits for messages again (done with its message and any step it
-# made), and an a3c_grad worker once that step's word has come, so that no timing decides the
-# weights it acts with
-_send, _wait, _held = multiprocessing.connection.Connection.send, \
-multiprocessing.connection.wait, []
-def held_send(self, obj):
-    if obj is None and \
-multiprocessing.parent_process() is None:   # the main process's "taken", "step made"
-        _held.append(self)
-    else:
-        _send(self, obj)
-def releasing_wait(*args, **kwargs):
-    while _held:
-        try:
-            _send(_held.pop(0), None)
-        except OSError:   # a child that the end of the run has already ended
-            pass
-    return _wait(*args, **kwargs)
-multiprocessing.connection.Connection.send, multiprocessing.connection.wait = \
-held_send, releasing_wait
-_child_main = processes._child_main
-def lockstep_child_main(target, args, pipe):
-    step_receivers = [arg for arg in args if isinstance(arg, multiprocessing.connection.Connection)]
-    def lockstep_target(*args, send):
-        def lockstep_send(message):
-            send(message)
-            for step_receiver in step_receivers:
-                step_receiver.poll(None)
-        target(*args, send=lockstep_send)
-    _child_main(lockstep_target, args, pipe)
-processes._child_main = lockstep_child_main
-"""
 FIRST_STEPS_ARGS = {"a3c_data": ["--processes", "1"], "a3c_grad": ["--processes", "4"]}
 
 
@@ -809,7 +633,7 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     # a3c_grad's and a3c_dist's. A change to the math, or to what the generators draw, moves these
     # sums: the Pong solves on record count for code that passes this test.
     env = dict(
-        hooked_env(tmp_path, FIRST_STEPS_HOOK),
+        hooked_env(tmp_path, hook("first_steps")),
         RL_TEST_STEPS=str(tmp_path / "steps.json"),
         RL_TEST_AT=json.dumps(FIRST_STEPS_AT[script]),
     )
@@ -920,7 +744,6 @@ def assert_told_of_the_dead_first_layer(script, err, folder):
 def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
     run_main, monkeypatch, capsys, tmp_path
 ):
-    sys.path.insert(0, REPO)
     import common
 
     watch = common.NetworkHealth.__init__
@@ -943,21 +766,11 @@ def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
 @slow
 @pytest.mark.parametrize("script", DQN_SCRIPTS)
 def test_each_dqn_whose_first_layer_fires_on_no_state_says_so_once(script, tmp_path):
-    hook = open(os.path.join(REPO, "tests", "hooks", "first_layer_dead.py")).read()
     args = ["--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"]
-    code, out, err = run(script, *args, cwd=tmp_path, env=hooked_env(tmp_path, hook))
+    env = hooked_env(tmp_path, hook("first_layer_dead"))
+    code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0, err
     assert_told_of_the_dead_first_layer(script, err, tmp_path)
-
-
-# the CPU's capabilities as torch reads them, but for bfloat16: native where $RL_TEST_BF16 is 1
-CPU_HOOK = """
-import os, types
-import torch
-_real, _native = torch.cpu.get_capabilities(), os.environ["RL_TEST_BF16"] == "1"
-torch.cpu.get_capabilities = lambda: types.MappingProxyType(
-    {**_real, "avx512_bf16": _native, "amx_bf16": _native, "bf16": _native})
-"""
 
 
 @pytest.mark.parametrize("native", slow_but(False, [True, False]))
@@ -1013,8 +826,9 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     args = ["--env", "cartpole", "--max-frames", "1600"] + (
         ["--envs", str(envs)] if envs > 1 else []
     )
-    hook = open(os.path.join(REPO, "tests", "hooks", "count_samples.py")).read()
-    env = dict(hooked_env(tmp_path, hook), RL_TEST_SAMPLES=str(tmp_path / "samples"))
+    env = dict(
+        hooked_env(tmp_path, hook("count_samples")), RL_TEST_SAMPLES=str(tmp_path / "samples")
+    )
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
     # There is no library's warning, nor one of a dead network: it measured a live one.
     assert code == 0 and err == ""
@@ -1080,34 +894,6 @@ def test_a_seed_reproduces_the_play_process_of_dqn_mp_until_training_starts(tmp_
 
 
 # -------------------------------------------------------------- --cuda's lines, on the CPU stand-in
-# Every process writes to $RL_TEST_ACTING/<its name> a digest of the weights it acts with at each
-# acting call (the net of a DQNAgent, or the one an A3C worker's acting function closes over); the
-# training process writes to $RL_TEST_ACTING/stepped one of its weights after each optimizer step.
-ACTING_HOOK = """
-import hashlib, multiprocessing, os
-import torch
-import common
-def record(name, params):
-    with open(os.path.join(os.environ["RL_TEST_ACTING"], name), "a") as f:
-        f.write(hashlib.md5(b"".join(p.detach().cpu().numpy().tobytes() \
-for p in params)).hexdigest() + "\\n")
-def acting_net(agent):
-    cells = [cell.cell_contents for cell in getattr(agent, "__closure__", None) or ()]
-    return next(obj for obj in [getattr(agent, "net", None), *cells] \
-if isinstance(obj, torch.nn.Module))
-_init, _step = common.ExperienceSourceFirstLast.__init__, torch.optim.Adam.step
-def recording_init(self, env, agent, *args, **kwargs):
-    net = acting_net(agent)
-    def act(states):
-        record(multiprocessing.current_process().name, net.parameters())
-        return agent(states)
-    _init(self, env, act, *args, **kwargs)
-def recording_step(self, *args, **kwargs):
-    result = _step(self, *args, **kwargs)
-    record("stepped", (p for group in self.param_groups for p in group["params"]))
-    return result
-common.ExperienceSourceFirstLast.__init__, torch.optim.Adam.step = recording_init, recording_step
-"""
 
 
 @needs_proc
@@ -1120,7 +906,7 @@ def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_sta
     tag = uuid.uuid4().hex
     (tmp_path / "acting").mkdir()
     env = dict(
-        hooked_env(tmp_path, CUDA_STANDIN_HOOK + ACTING_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("cuda_standin") + hook("acting_weights"), tagged_env(tag)),
         RL_TEST_ACTING=str(tmp_path / "acting"),
     )
     code, out, err = run(
@@ -1158,7 +944,7 @@ def test_children_act_with_the_weights_the_main_process_publishes_on_the_cpu_sta
 def test_a_single_process_script_runs_its_gpu_lines_end_to_end_on_the_cpu_stand_in(
     script, tmp_path
 ):
-    env = hooked_env(tmp_path, CUDA_STANDIN_HOOK)
+    env = hooked_env(tmp_path, hook("cuda_standin"))
     # dqn_compile runs eagerly: inductor takes minutes on a CPU; a3c_dist's graphs are traced.
     if script == "dqn_compile":
         env["RL_TEST_EAGER"] = "1"
@@ -1183,7 +969,7 @@ def test_dqn_mp_plays_at_most_one_step_ahead_of_a_slow_learner(tmp_path):
     tag = uuid.uuid4().hex
     (tmp_path / "ahead").mkdir()
     env = dict(
-        hooked_env(tmp_path, SLOW_LEARNER_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("slow_learner"), tagged_env(tag)),
         RL_TEST_AHEAD=str(tmp_path / "ahead"),
     )
     code, _, err = run("dqn_mp", "--env", "cartpole", "--max-frames", "1300", cwd=tmp_path, env=env)
@@ -1212,11 +998,12 @@ def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weigh
     # they came in.
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir()
-    weighting = open(os.path.join(REPO, "tests", "hooks", "a3c_grad_weights.py")).read()
     env = dict(
         hooked_env(
             tmp_path,
-            WEIGHTS_HOOK + weighting + (CUDA_STANDIN_HOOK if cuda else ""),
+            hook("weight_digests")
+            + hook("a3c_grad_weights")
+            + (hook("cuda_standin") if cuda else ""),
             tagged_env(tag),
         ),
         RL_TEST_WEIGHTS=str(tmp_path / "weights"),
@@ -1245,8 +1032,9 @@ def test_a3c_grad_steps_average_one_gradient_from_each_worker_taken_at_the_weigh
 def test_a3c_data_trains_on_the_states_its_worker_sent_though_it_has_refilled_the_slot_since(
     tmp_path,
 ):
-    hook = open(os.path.join(REPO, "tests", "hooks", "a3c_data_batches.py")).read()
-    env = dict(hooked_env(tmp_path, hook), RL_TEST_BATCHES=str(tmp_path / "batches"))
+    env = dict(
+        hooked_env(tmp_path, hook("a3c_data_batches")), RL_TEST_BATCHES=str(tmp_path / "batches")
+    )
     code, _, err = run(
         "a3c_data",
         "--env",
@@ -1330,30 +1118,6 @@ def test_sigint_and_sigterm_stop_everything_with_a_summary_and_exit_codes_130_an
     assert_none_left(tag)
 
 
-# a SIGTERM as the script starts: right after setup() (before envs, networks, shared memory and
-# children exist), or, for dqn_compile, inside the compile probe; under torchrun to rank 0
-STARTUP_SIGNAL_HOOK = """
-import os, signal, torch, runs
-def signal_now():
-    if os.environ.get("RANK", "0") == "0":
-        os.kill(os.getpid(), signal.SIGTERM)
-if os.environ.get("RL_TEST_SIGNAL_AT") == "probe":
-    compile = torch.compile
-    def signalling_compile(fn, **kwargs):
-        compiled = compile(fn, **kwargs)
-        def call(*args):
-            signal_now()
-            return compiled(*args)
-        return call
-    torch.compile = signalling_compile
-else:
-    setup = runs.setup
-    def signalled_setup(*args):
-        result = setup(*args)
-        signal_now()
-        return result
-    runs.setup = signalled_setup
-"""
 STARTUP = [(script, "setup") for script in SCRIPTS + ["a3c_dist"]] + [("dqn_compile", "probe")]
 
 
@@ -1361,7 +1125,9 @@ STARTUP = [(script, "setup") for script in SCRIPTS + ["a3c_dist"]] + [("dqn_comp
 @pytest.mark.parametrize("script, moment", slow_but(("dqn_fast", "setup"), STARTUP))
 def test_a_sigterm_at_start_up_stops_as_cleanly_as_one_mid_run(script, moment, tmp_path):
     tag = uuid.uuid4().hex
-    env = dict(hooked_env(tmp_path, STARTUP_SIGNAL_HOOK, tagged_env(tag)), RL_TEST_SIGNAL_AT=moment)
+    env = dict(
+        hooked_env(tmp_path, hook("sigterm_at_start_up"), tagged_env(tag)), RL_TEST_SIGNAL_AT=moment
+    )
     if script == "a3c_dist":
         proc = start_dist("--env", "cartpole", cwd=tmp_path, env=env, ranks=2)
     else:
@@ -1418,7 +1184,7 @@ def test_ctrl_c_to_the_process_group_while_the_children_start_stops_everything_w
     tag = uuid.uuid4().hex
     (tmp_path / "starting").mkdir()
     env = dict(
-        hooked_env(tmp_path, STARTING_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("slow_child_start"), tagged_env(tag)),
         RL_TEST_STARTING=str(tmp_path / "starting"),
     )
     proc = start(script, "--env", "cartpole", *WORKERS.get(script, []), cwd=tmp_path, env=env)
@@ -1444,7 +1210,7 @@ def test_ctrl_c_to_the_process_group_while_the_children_start_stops_everything_w
 @pytest.mark.parametrize("script", MP_SCRIPTS)
 def test_crash_in_child_reaches_the_user_and_stops_everything(script, tmp_path):
     tag = uuid.uuid4().hex
-    env = hooked_env(tmp_path, CRASH_HOOK, tagged_env(tag))
+    env = hooked_env(tmp_path, hook("first_child_crashes"), tagged_env(tag))
     code, out, err = run(
         script, "--env", "cartpole", *WORKERS.get(script, []), cwd=tmp_path, env=env, timeout=120
     )
@@ -1471,7 +1237,7 @@ def test_child_killed_in_the_middle_of_a_message_ends_the_run_within_seconds(
 ):
     tag = uuid.uuid4().hex
     env = dict(
-        hooked_env(tmp_path, MID_MESSAGE_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("stall_mid_message"), tagged_env(tag)),
         RL_TEST_STALLED=str(tmp_path / "stalled"),
     )
     proc = start(script, "--env", "cartpole", *WORKERS.get(script, []), cwd=tmp_path, env=env)
@@ -1493,19 +1259,6 @@ def test_child_killed_in_the_middle_of_a_message_ends_the_run_within_seconds(
 
 # ---------------------------------------------------------------- a3c_dist under torchrun
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-# rank 1 crashes in the middle of the run
-DIST_CRASH_HOOK = """
-import os
-if os.environ.get("RANK") == "1":
-    import common
-    _iter = common.ExperienceSourceFirstLast.__iter__
-    def crashing_iter(self):
-        for step, exps in enumerate(_iter(self)):
-            if step == 20:
-                raise RuntimeError("injected crash")
-            yield exps
-    common.ExperienceSourceFirstLast.__iter__ = crashing_iter
-"""
 
 
 def start_dist(*args, cwd, env=None, ranks=3):
@@ -1527,7 +1280,7 @@ def test_a3c_dist_counts_every_ranks_frames_and_each_game_once_and_stops_at_the_
     # Each rank's last report came with the stopping step: the run counted those before it.
     (tmp_path / "reports").mkdir()
     env = dict(
-        hooked_env(tmp_path, open(os.path.join(REPO, "tests", "hooks", "rank_reports.py")).read()),
+        hooked_env(tmp_path, hook("rank_reports")),
         RL_TEST_REPORTS=str(tmp_path / "reports"),
     )
     proc = start_dist(
@@ -1666,7 +1419,7 @@ def test_a3c_dist_on_two_torchrun_agents_solves_cartpole_with_bf16_equal_weights
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir()
     env = dict(
-        hooked_env(tmp_path, WEIGHTS_HOOK + CPU_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("weight_digests") + hook("cpu_bf16"), tagged_env(tag)),
         RL_TEST_WEIGHTS=str(tmp_path / "weights"),
         RL_TEST_BF16="0",
     )  # as a CPU without bf16 instructions
@@ -1720,11 +1473,12 @@ def test_a3c_dist_across_two_torchrun_agents_a_lost_agent_ends_the_other_with_on
 
 
 def dist_weights(tmp_path, *args, ranks=3):
-    """Run a3c_dist.py on CartPole with WEIGHTS_HOOK; the digests each rank wrote, by RANK."""
+    """Run a3c_dist.py on CartPole with the weight_digests hook; the digests each rank wrote, by
+    RANK."""
     tag = uuid.uuid4().hex
     (tmp_path / "weights").mkdir(parents=True)
     env = dict(
-        hooked_env(tmp_path, WEIGHTS_HOOK, tagged_env(tag)),
+        hooked_env(tmp_path, hook("weight_digests"), tagged_env(tag)),
         RL_TEST_WEIGHTS=str(tmp_path / "weights"),
     )
     proc = start_dist("--env", "cartpole", *args, cwd=tmp_path, env=env, ranks=ranks)
@@ -1777,25 +1531,6 @@ def test_a3c_dist_a_seed_reproduces_its_weights(tmp_path):
     assert digests[0][:40] != digests[2][:40]  # and another seed makes other weights
 
 
-# Every process saves, at its first optimizer step, the gradient it applies and the weights it
-# makes, to $RL_TEST_FIRST_STEP/<RANK or process name>.
-FIRST_STEP_HOOK = """
-import multiprocessing, os
-import torch
-_step = torch.optim.Adam.step
-def saving_step(self, *args, **kwargs):
-    params = [p for group in self.param_groups for p in group["params"]]
-    grads = [p.grad.detach().cpu().clone() for p in params]
-    result = _step(self, *args, **kwargs)
-    name = os.environ.get("RANK") or multiprocessing.current_process().name
-    path = os.path.join(os.environ["RL_TEST_FIRST_STEP"], name)
-    if not os.path.exists(path):
-        torch.save((grads, [p.detach().cpu() for p in params]), path)
-    return result
-torch.optim.Adam.step = saving_step
-"""
-
-
 @slow
 @needs_proc
 def test_a3c_dist_first_step_with_3_ranks_is_a3c_grads_with_3_workers(tmp_path):
@@ -1803,7 +1538,9 @@ def test_a3c_dist_first_step_with_3_ranks_is_a3c_grads_with_3_workers(tmp_path):
     for script in ["a3c_grad", "a3c_dist"]:
         folder = tmp_path / script
         (folder / "first").mkdir(parents=True)
-        env = dict(hooked_env(folder, FIRST_STEP_HOOK), RL_TEST_FIRST_STEP=str(folder / "first"))
+        env = dict(
+            hooked_env(folder, hook("save_first_step")), RL_TEST_FIRST_STEP=str(folder / "first")
+        )
         args = ["--env", "cartpole", "--seed", "5", "--max-frames", "1000"]
         if script == "a3c_grad":
             code, _, err = run(script, *args, "--processes", "3", cwd=folder, env=env)
@@ -1832,7 +1569,7 @@ def test_a3c_dist_crash_in_a_worker_stops_every_rank_and_names_it(tmp_path):
         "--env",
         "cartpole",
         cwd=tmp_path,
-        env=hooked_env(tmp_path, DIST_CRASH_HOOK, tagged_env(tag)),
+        env=hooked_env(tmp_path, hook("rank_1_crashes"), tagged_env(tag)),
         ranks=2,
     )
     out, err = proc.communicate(timeout=60)
@@ -1898,23 +1635,15 @@ def test_a3c_dist_ranks_that_lose_a_rank_each_end_with_one_line_and_code_1(victi
     assert_none_left(tag)
 
 
-# init_process_group runs with a sixth of the timeout that a3c_dist.py gives it: the test
-# waits 10 s, not 60.
-SHORT_TIMEOUT_HOOK = """
-import torch.distributed as dist
-_init = dist.init_process_group
-def init_process_group(*args, timeout, **kwargs):
-    return _init(*args, timeout=timeout / 6, **kwargs)
-dist.init_process_group = init_process_group
-"""
-
-
 @slow
 @needs_proc
 def test_a3c_dist_a_silent_rank_ends_the_others_at_the_collective_timeout(tmp_path):
     tag = uuid.uuid4().hex
     ranks = start_ranks(
-        tmp_path, "--env", "cartpole", env=hooked_env(tmp_path, SHORT_TIMEOUT_HOOK, tagged_env(tag))
+        tmp_path,
+        "--env",
+        "cartpole",
+        env=hooked_env(tmp_path, hook("short_dist_timeout"), tagged_env(tag)),
     )
     assert ranks[0].stdout.readline().strip()
     os.kill(ranks[2].pid, signal.SIGSTOP)  # alive, connected, and silent
@@ -1954,21 +1683,6 @@ def test_a3c_dist_a_signal_to_every_rank_ends_each_with_its_code_and_rank_0_with
     assert_none_left(tag)
 
 
-# Rank 1 reports 40 finished episodes of reward 0.5 (not a CartPole score) at its third step.
-MANY_EPISODES_HOOK = """
-import os
-import common
-_pop, _calls = common.ExperienceSourceFirstLast.pop_episodes, []
-def pop_episodes(self):
-    episodes = _pop(self)
-    _calls.append(None)
-    if os.environ.get("RANK") == "1" and len(_calls) == 3:
-        episodes += [(0.5, 3)] * 40
-    return episodes
-common.ExperienceSourceFirstLast.pop_episodes = pop_episodes
-"""
-
-
 @slow
 @needs_proc
 def test_a3c_dist_more_episodes_than_a_step_carries_arrive_at_the_next_steps(tmp_path):
@@ -1978,7 +1692,7 @@ def test_a3c_dist_more_episodes_than_a_step_carries_arrive_at_the_next_steps(tmp
         "--max-frames",
         "3000",
         cwd=tmp_path,
-        env=hooked_env(tmp_path, MANY_EPISODES_HOOK),
+        env=hooked_env(tmp_path, hook("many_episodes_on_rank_1")),
     )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
