@@ -158,7 +158,7 @@ if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
     parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
-    args, params = runs.setup(parser, HYPERPARAMS)
+    args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     env = common.make_fast_env(args.env, 1)  # here only for its spaces: the workers play their own
@@ -171,9 +171,9 @@ if __name__ == "__main__":
     def checkpoint_contents():  # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
 
-    if args.resume:  # go on where the stopped run was: its states, random generators and counter
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        frames = counters["frames"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        frames = checkpoint["frames"]
+        runs.restore(checkpoint, checkpoint_contents())
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net

@@ -3,9 +3,10 @@
 every rank plays and computes a gradient, one all_reduce sums them, and every rank takes the same
 optimizer step. How to start it on one machine or several, and what crosses: docs/HOW.md."""
 
-import argparse
 import datetime
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -180,29 +181,52 @@ def exchange(grads, samples, stats, frames, episodes, stop):
 
 
 def rank0_options(parser, args, params):
-    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads a resumed run's
-    checkpoint (other machines cannot see its folder), which must have as many ranks."""
-    options = [vars(args), vars(params)]
+    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads the command line over
+    a resumed run's checkpoint (other machines cannot see its folder), which must have as many
+    ranks."""
+    options = [args, params]
     dist.broadcast_object_list(options, src=0)
-    args, world_size = argparse.Namespace(**options[0]), dist.get_world_size()
+    args, params = options
+    world_size = dist.get_world_size()
     if getattr(args, "world_size", world_size) != world_size:
         parser.error(
             f"--resume: the run in {args.resume} has {args.world_size} ranks, not {world_size}"
         )
     args.world_size = world_size
-    return args, argparse.Namespace(**options[1])
+    return args, params
 
 
 class SilentTracker:
     """RewardTracker's stand-in on a rank other than 0, which records nothing."""
-
-    frames = seconds = 0  # what Run reads of it
 
     def update(self, frames, episodes):
         pass
 
     def record_step(self, **scalars):
         pass
+
+
+class SilentRun:
+    """runs.Run's stand-in on a rank other than 0: rank 0 checkpoints, decides the stop for every
+    rank and prints the summary; this rank ends with its own line and exit code."""
+
+    def __enter__(self):
+        return self
+
+    def save_checkpoint_if_due(self):
+        pass
+
+    def should_stop(self):
+        return False
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type not in (None, runs.ProcessLost):
+            return False  # a bug: its traceback
+        stop_signal = runs.stop_signal
+        self.exit_code = 128 + stop_signal if stop_signal else int(exc_type is runs.ProcessLost)
+        if self.exit_code == 1:  # a rank lost, not to a signal that asked the run to stop
+            print(f"a3c_dist.py: error: rank {dist.get_rank()} {exc}", file=sys.stderr)
+        return True
 
 
 def share_weights(net, optimizer):
@@ -222,24 +246,29 @@ def share_weights(net, optimizer):
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, help="envs per rank (default: 8)")
-    args, params = runs.setup(parser, HYPERPARAMS)
-    device = torch.device("cuda" if args.cuda else "cpu")
-    torch.manual_seed(args.seed)
+    parser.parse_args()  # bad input ends every rank alike, before one waits for another
     if "RANK" not in os.environ:
         parser.error(
             "start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py"
         )
-    # LOCAL_RANK picks the GPU on this machine (RANK numbers the ranks across machines).
+    rank = int(os.environ["RANK"])  # numbers the ranks across machines
+    if rank == 0:  # rank 0 reads the options and a resumed run's checkpoint, and records the run
+        args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
+    else:  # a signal asks every rank to stop; rank 0 decides the step at which all do
+        args = params = checkpoint = None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, runs.request_stop)
+    # Gloo carries CPU tensors, between GPU machines too.
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    args, params = rank0_options(parser, args, params)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    torch.manual_seed(args.seed)
+    # LOCAL_RANK picks the GPU on this machine.
     if args.cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)  # where calls that take the current device land
     # The network runs on one thread; the envs step on the rank's share of the cores.
     torch.set_num_threads(1)
-    # Gloo carries CPU tensors, between GPU machines too.
-    dist.init_process_group("gloo", timeout=TIMEOUT)
-    rank = dist.get_rank()
-    # A resumed run's options come from rank 0, the only rank that reads its checkpoint.
-    args, params = rank0_options(parser, args, params)
     env = common.make_fast_env(
         args.env,
         params.envs,  # the ranks on this machine share its cores
@@ -256,13 +285,13 @@ if __name__ == "__main__":
     def checkpoint_contents():  # what a checkpoint holds, and --resume restores
         return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
 
-    if args.resume and rank == 0:  # go on where the stopped run was: rank 0 reads the checkpoint
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        frames = counters["frames"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        frames = checkpoint["frames"]
+        runs.restore(checkpoint, checkpoint_contents())
     share_weights(net, optimizer)  # every rank starts from rank 0's
     episodes, stop = [], False
 
-    with runs.Run(args, tracker, checkpoint_contents, rank) as run:
+    with runs.Run(args, tracker, checkpoint_contents) if rank == 0 else SilentRun() as run:
         for samples, stats, new_frames, new_episodes in gradients(
             params, args, env, net, rank, device
         ):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Measure the ceilings of this machine, then every script for the same number of training frames,
-and print a markdown table: train fps (counted from the end of the first training step, which for
-dqn_compile compiles, timed on a line of its own), ratio to dqn_baseline, fraction of the ceiling,
-peak memory.
+and print a markdown table: train fps (from the run's events: from the end of its first training
+step, in which dqn_compile compiles, to its last record), ratio to dqn_baseline, fraction of the
+ceiling, peak memory.
 With --bf16, every script runs twice, in fp32 and with --bf16, one after the other, and the table
 gives both and their ratio. With --profile, every script runs twice, alone and under py-spy, and a
 second table and a PNG show, for each of its processes, the share of time spent in each category
@@ -10,6 +10,7 @@ of work (CATEGORIES, RULES)."""
 
 import argparse
 import collections
+import glob
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import a3c_data
 import common
@@ -177,9 +179,9 @@ def find_py_spy():
     return shutil.which("py-spy") or shutil.which("py-spy", path=os.pathsep.join(folders))
 
 
-def profile(cmd, out_file, rate=50, child_name="child"):
+def profile(cmd, out_file, cwd, rate=50, child_name="child"):
     """Run cmd under py-spy, sampling every thread of it and its children, idle or not; returns
-    {label: Counter of categories} and the output. If py-spy cannot trace, exit 2 with one line."""
+    {label: Counter of categories}. If py-spy cannot trace, exit 2 with one line."""
     spy = find_py_spy()
     if spy is None:
         fail("--profile needs py-spy: pip install -r requirements.txt")
@@ -197,10 +199,12 @@ def profile(cmd, out_file, rate=50, child_name="child"):
         out_file,
         "--",
     ]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.run(record + cmd, stdout=out, stderr=err, text=True)
-        out.seek(0), err.seek(0)
-        output, message = out.read(), err.read()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(
+            record + cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=cwd
+        )
+        err.seek(0)
+        message = err.read()
     if proc.returncode != 0 or not os.path.exists(out_file):
         if "ptrace" in message.lower() or "permission" in message.lower():
             fail(
@@ -212,7 +216,7 @@ def profile(cmd, out_file, rate=50, child_name="child"):
         )
         fail(f"{' '.join(cmd[:2])} under py-spy failed: {last}")
     with open(out_file) as f:
-        return label_processes(read_raw(f), child_name), output
+        return label_processes(read_raw(f), child_name)
 
 
 def shares_table(profiles):
@@ -451,11 +455,16 @@ def script_command(script, args, warmup, bf16=False):
 
 
 def run_script(script, args, warmup, bf16=False):
-    """Run one script for warm-up + --frames frames; its JSON summary plus peak tree memory."""
+    """Run one script for warm-up + --frames frames, in a folder of its own; its JSON summary, its
+    train fps and its peak tree memory."""
     cmd = script_command(script, args, warmup, bf16)
     # files, not pipes: a long run cannot fill them and stall
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+    ):
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=folder)
         peak = 0
         while proc.poll() is None:
             peak = max(peak, tree_rss(proc.pid))
@@ -463,21 +472,24 @@ def run_script(script, args, warmup, bf16=False):
         out.seek(0)
         err.seek(0)
         lines, said = out.read().strip().splitlines(), err.read().strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        fail(f"{script} exited with code {proc.returncode}" + (f": {said[-1]}" if said else ""))
-    summary = json.loads(lines[-1])
+        if proc.returncode != 0 or not lines:
+            fail(f"{script} exited with code {proc.returncode}" + (f": {said[-1]}" if said else ""))
+        summary = json.loads(lines[-1])
+        summary["train_fps"] = train_fps(folder)
     summary["peak_rss"] = peak
     return summary
 
 
-def print_compile_time(label, summary):
-    """dqn_compile's first training step, its compilation, on a line of its own: train fps counts
-    from its end."""
-    if label.startswith("dqn_compile"):
-        print(
-            f"{label}: first training step, with its compilation, "
-            f"{summary['first_step_seconds']:.1f} s"
-        )
+def train_fps(folder):
+    """Frames a second of the one run made in folder, from its events: from its first train/loss
+    (logged at the end of the first training step, in which dqn_compile compiles) to its last."""
+    (run_folder,) = glob.glob(os.path.join(folder, "runs", "*"))
+    events = EventAccumulator(run_folder, size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    first = events.Scalars("train/loss")[0]
+    scalars = [event for tag in events.Tags()["scalars"] for event in events.Scalars(tag)]
+    last = max(scalars, key=lambda event: event.wall_time)
+    return (last.step - first.step) / (last.wall_time - first.wall_time)
 
 
 def parse_args():
@@ -598,10 +610,8 @@ def bench_bf16(args):
     for script in args.scripts:
         fp32 = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(fp32)}", file=sys.stderr, flush=True)
-        print_compile_time(script, fp32)
         mixed = run_script(script, args, warmup_frames(args, script), bf16=True)
         print(f"  {script} --bf16: {json.dumps(mixed)}", file=sys.stderr, flush=True)
-        print_compile_time(f"{script} --bf16", mixed)
         rows.append((script, fp32, mixed))
     print("| script | train fps, fp32 | train fps, bf16 | bf16 vs fp32 | peak RSS, fp32 / bf16 |")
     print("|---|---:|---:|---:|---:|")
@@ -620,7 +630,6 @@ def bench_speed(args, ceilings):
     for script in args.scripts:
         summary = run_script(script, args, warmup_frames(args, script))
         print(f"  {script}: {json.dumps(summary)}", file=sys.stderr, flush=True)
-        print_compile_time(script, summary)
         bounds = (
             ["DQN net", f"env, {args.dqn_envs} envs"]
             if script.startswith("dqn")
@@ -630,14 +639,13 @@ def bench_speed(args, ceilings):
             baseline = summary["train_fps"]
         if args.profile:
             with tempfile.TemporaryDirectory() as folder:
-                profiles[script], output = profile(
+                profiles[script] = profile(
                     script_command(script, args, warmup_frames(args, script)),
                     os.path.join(folder, "raw"),
+                    folder,
                     child_name=CHILD_NAMES.get(script, "child"),
                 )
-            # The last JSON line is the script's, not py-spy's.
-            last = next(line for line in reversed(output.splitlines()) if line.startswith("{"))
-            summary["profiled_fps"] = json.loads(last)["train_fps"]
+                summary["profiled_fps"] = train_fps(folder)
         rows.append((script, summary, min(bounds, key=ceilings.get)))
     print(
         "| script | train fps | vs dqn_baseline | of ceiling (which) | peak RSS |"

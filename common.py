@@ -5,6 +5,7 @@ the run's plumbing in runs.py and processes.py."""
 import collections
 import hashlib
 import os
+import sys
 
 import ale_py
 import gymnasium as gym
@@ -354,6 +355,7 @@ class NetworkHealth:
     def __init__(self, net, buffer):
         self.net, self.buffer, self.states = net, buffer, None
         self.relus = [module for module in net.modules() if isinstance(module, torch.nn.ReLU)]
+        self.warned = False  # a dead layer is told once
 
     @torch.no_grad()
     def measure(self):
@@ -373,11 +375,22 @@ class NetworkHealth:
         q_values = self.net(self.states)
         for hook in hooks:
             hook.remove()
-        scalars = {}
+        scalars, dead = {}, []
         for k, output in enumerate(outputs, start=1):
             fired = output > 0
             unit_fired = fired.transpose(0, 1).flatten(1).any(dim=1)  # dimension 1 is the unit
             scalars[f"relu{k}/dead_units"] = 1 - unit_fired.float().mean().item()
             scalars[f"relu{k}/active"] = fired.float().mean().item()
+            if scalars[f"relu{k}/active"] < DEAD_ACTIVE_SHARE:
+                dead.append(f"relu{k}")
         scalars["q_spread"] = q_values.std(dim=0, correction=0).mean().item()
+        if dead and not self.warned:
+            self.warned = True
+            print(
+                f"{os.path.basename(sys.argv[0])}: warning: the network's {' and '.join(dead)} "
+                f"had under {DEAD_ACTIVE_SHARE:.2%} of its outputs above zero: a dead layer gives "
+                "every state nearly the same Q-values, and the run will not learn; stop it and "
+                "start again with another --seed (docs/HOW.md, network health)",
+                file=sys.stderr,
+            )
         return scalars

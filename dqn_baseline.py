@@ -101,7 +101,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    args, params = runs.setup(parser, HYPERPARAMS)
+    args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -127,9 +127,9 @@ if __name__ == "__main__":
             train_steps=train_steps,
         )
 
-    if args.resume:  # go on where the stopped run was: its states, random generators and counters
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        train_steps = counters["train_steps"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        train_steps = checkpoint["train_steps"]
+        runs.restore(checkpoint, checkpoint_contents())
         # The first step acts at the resumed run's epsilon.
         agent.epsilon = epsilon_by_frame(params, exp_source.frames)
 

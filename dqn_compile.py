@@ -27,6 +27,7 @@ PONG = dict(
     epsilon_start=1.0,
     epsilon_final=0.02,
     epsilon_frames=100_000,  # frames over which epsilon falls linearly to its final value
+    envs=3,  # envs stepped as one
 )
 CARTPOLE = dict(
     PONG,
@@ -273,17 +274,15 @@ def set_capturable(optimizer, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument(
-        "--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)"
-    )
-    args, params = runs.setup(parser, HYPERPARAMS)
+    parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
+    args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     if args.cuda:
         # fp32 matmuls run on TF32 tensor cores, as convolutions already do.
         torch.set_float32_matmul_precision("high")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    env = common.make_fast_env(args.env, args.envs)
+    env = common.make_fast_env(args.env, params.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
@@ -298,7 +297,7 @@ if __name__ == "__main__":
     buffer = DeviceReplayBuffer(params.replay_size, env.single_observation_space, device)
     # A step of N envs brings N frames: 32 * N samples keep 32 samples per frame.
     step = compile_train_step(
-        buffer, net, tgt_net, optimizer, params.batch_size * args.envs, params.gamma
+        buffer, net, tgt_net, optimizer, params.batch_size * params.envs, params.gamma
     )
     # On the GPU, ale-py's envs play the next step in their threads as the GPU trains on this one.
     overlap = args.cuda and hasattr(env, "send")
@@ -324,9 +323,9 @@ if __name__ == "__main__":
             train_steps=train_steps,
         )
 
-    if args.resume:  # go on where the stopped run was: its states, random generators and counters
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        train_steps = counters["train_steps"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        train_steps = checkpoint["train_steps"]
+        runs.restore(checkpoint, checkpoint_contents())
         # The first step acts at the resumed run's epsilon.
         epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
     set_capturable(optimizer, device)  # after a restore, before the first compiled step

@@ -24,6 +24,7 @@ PONG = dict(
     epsilon_start=1.0,
     epsilon_final=0.02,
     epsilon_frames=100_000,  # frames over which epsilon falls linearly to its final value
+    envs=3,  # envs stepped as one
 )
 CARTPOLE = dict(
     PONG,
@@ -104,14 +105,12 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument(
-        "--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)"
-    )
-    args, params = runs.setup(parser, HYPERPARAMS)
+    parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
+    args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    env = common.make_fast_env(args.env, args.envs)
+    env = common.make_fast_env(args.env, params.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
@@ -133,9 +132,9 @@ if __name__ == "__main__":
             train_steps=train_steps,
         )
 
-    if args.resume:  # go on where the stopped run was: its states, random generators and counters
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        train_steps = counters["train_steps"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        train_steps = checkpoint["train_steps"]
+        runs.restore(checkpoint, checkpoint_contents())
         # The first step acts at the resumed run's epsilon.
         agent.epsilon = epsilon_by_frame(params, exp_source.frames)
 
@@ -152,7 +151,7 @@ if __name__ == "__main__":
                 continue
             optimizer.zero_grad()
             # A step of N envs brings N frames: 32 * N samples keep 32 samples per frame.
-            batch = buffer.sample(params.batch_size * args.envs)
+            batch = buffer.sample(params.batch_size * params.envs)
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()

@@ -25,6 +25,7 @@ PONG = dict(
     epsilon_start=1.0,
     epsilon_final=0.02,
     epsilon_frames=100_000,  # frames over which epsilon falls linearly to its final value
+    envs=3,  # envs stepped as one
 )
 CARTPOLE = dict(
     PONG,
@@ -110,7 +111,7 @@ def play_func(params, args, weights, frames, *, send):
     np.random.seed(args.seed)  # epsilon-greedy draws from numpy's generator
     device = torch.device("cuda" if args.cuda else "cpu")
     net = weights.copy_to(device) if args.cuda else weights
-    env = common.make_fast_env(args.env, args.envs)
+    env = common.make_fast_env(args.env, params.envs)
     agent = DQNAgent(net, epsilon_by_frame(params, frames), device)
     exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
     exp_source.frames = frames
@@ -124,10 +125,8 @@ def play_func(params, args, weights, frames, *, send):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument(
-        "--envs", type=runs.positive_int, default=3, help="envs stepped as one (default: 3)"
-    )
-    args, params = runs.setup(parser, HYPERPARAMS)
+    parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
+    args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -153,10 +152,10 @@ if __name__ == "__main__":
             train_steps=train_steps,
         )
 
-    if args.resume:  # go on where the stopped run was: its states, random generators and counters
-        counters = runs.restore(args.resume, checkpoint_contents(), device)
-        train_steps = counters["train_steps"]
-        frames = counters["frames"]
+    if checkpoint:  # go on where the stopped run was: its states and counters
+        train_steps = checkpoint["train_steps"]
+        frames = checkpoint["frames"]
+        runs.restore(checkpoint, checkpoint_contents())
     # the play process acts with this net itself on the CPU, as the optimizer steps change it; on a
     # GPU with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
@@ -179,7 +178,7 @@ if __name__ == "__main__":
                 continue
             optimizer.zero_grad()
             # A step of N envs brings N frames: 32 * N samples keep 32 samples per frame.
-            batch = buffer.sample(params.batch_size * args.envs)
+            batch = buffer.sample(params.batch_size * params.envs)
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.utils.tensorboard import SummaryWriter
 
 import bench
 from conftest import REPO, hook, hooked_env, our_lines
@@ -300,8 +301,8 @@ def test_calibration_a_child_that_waits_half_its_time_in_a_pipe_reads_half_waiti
     points; py-spy pausing the child to sample it shifts its timing a little. Tolerance: 10 points
     around the 50% of the 6 s, with the 3 s of waiting before the first message counted in."""
     (tmp_path / "calibrate.py").write_text(CALIBRATION)
-    labelled, _ = bench.profile(
-        [sys.executable, str(tmp_path / "calibrate.py")], str(tmp_path / "raw"), rate=100
+    labelled = bench.profile(
+        [sys.executable, str(tmp_path / "calibrate.py")], str(tmp_path / "raw"), tmp_path, rate=100
     )
     counts = labelled["child"]
     total = sum(counts.values())
@@ -339,7 +340,7 @@ def test_where_py_spy_may_not_trace_one_line_and_exit_code_2(tmp_path, monkeypat
     fake.chmod(0o755)
     monkeypatch.setattr(bench, "find_py_spy", lambda: str(fake))
     with pytest.raises(SystemExit) as exit_info:
-        bench.profile([sys.executable, "-c", "pass"], str(tmp_path / "raw"))
+        bench.profile([sys.executable, "-c", "pass"], str(tmp_path / "raw"), tmp_path)
     err = capsys.readouterr().err
     (line,) = our_lines(err)
     assert exit_info.value.code == 2
@@ -501,3 +502,15 @@ def test_a_script_that_fails_under_bench_ends_it_with_one_line_and_exit_code_2(t
     assert our_lines(err) == [
         "bench.py: error: dqn_fast exited with code 2: dqn_fast.py: error: injected"
     ]
+
+
+def test_train_fps_counts_from_the_first_loss_to_the_last_record_of_the_run(tmp_path):
+    # By hand: warm-up games to 1,000 frames, the first loss at 1,000 frames and 20 s (the first
+    # step compiled until then), the last record at 3,000 frames and 30 s: 2,000 frames in 10 s.
+    writer = SummaryWriter(tmp_path / "runs" / "x")
+    writer.add_scalar("episodes/reward", -21.0, 500, walltime=1.0)
+    writer.add_scalar("train/loss", 0.5, 1000, walltime=20.0)
+    writer.add_scalar("episodes/reward", -20.0, 2500, walltime=25.0)
+    writer.add_scalar("train/loss", 0.4, 3000, walltime=30.0)
+    writer.close()
+    assert bench.train_fps(tmp_path) == 200.0

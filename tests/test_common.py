@@ -662,7 +662,7 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
     )
     monkeypatch.setattr(sys, "argv", ["dqn_fast.py", "--cuda", "--bf16"])
     monkeypatch.delenv("RANK", raising=False)
-    args, _ = runs.setup(runs.argument_parser("test"), {"pong": {}})
+    args, _, _ = runs.setup(runs.argument_parser("test"), {"pong": {}})
     assert args.cuda
     assert our_lines(capsys.readouterr().err) == [
         "dqn_fast.py: warning: --bf16 is emulated on this GPU: it may run slower than fp32"
@@ -741,14 +741,15 @@ def test_a_rank_other_than_0_writes_nothing_and_ends_with_its_own_line_and_code(
 ):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "stop_signal", None)
-    with runs.Run(fake_args(checkpoint_minutes=10), a3c_dist.SilentTracker(), None, rank=1) as run:
+    monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
+    with a3c_dist.SilentRun() as run:
         assert not run.should_stop()
         raise runs.ProcessLost("lost a rank: Connection reset by peer")
     assert run.exit_code == 1 and capsys.readouterr() == (
         "",
-        "test.py: error: rank 1 lost a rank: Connection reset by peer\n",
+        "a3c_dist.py: error: rank 1 lost a rank: Connection reset by peer\n",
     )
-    with runs.Run(fake_args(checkpoint_minutes=10), a3c_dist.SilentTracker(), None, rank=1) as run:
+    with a3c_dist.SilentRun() as run:
         runs.request_stop(signal.SIGTERM, None)
         assert not run.should_stop()  # rank 0 decides, for every rank
     assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
@@ -772,7 +773,7 @@ def test_tracker_solved_only_after_100_episodes_at_stop_reward(tmp_path, monkeyp
         assert not update(tracker, run, 10, [(21.0, 100)] * 99)  # mean 21 but only 99 episodes
         assert not tracker.solved
         assert update(tracker, run, 20, [(21.0, 100)])  # the 100th
-        assert tracker.solved and tracker.episodes == 100
+        assert tracker.solved and len(tracker.rewards) == 100
 
 
 def test_tracker_solved_at_mean_exactly_stop_reward(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """The disk as a resource: a run whose folder cannot be written stops at once with one line; a run
-whose disk fills keeps what it had (the checkpoint before, best.pt whole), says so in one line and
-reports its outcome; a resumed run holds no mapping of the checkpoint it replaced. The faults are
-made for real: a small or read-only tmpfs at runs/, in a user and mount namespace (Linux)."""
+whose disk fills ends with one line, its summary and exit code 2, and keeps what it had written
+whole (the checkpoint before, best.pt); a resumed run holds no mapping of the checkpoint it
+replaced. The faults are made for real: a small or read-only tmpfs at runs/, in a user and mount
+namespace (Linux)."""
 
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import runs
 from conftest import REPO, our_lines, summary
@@ -17,16 +19,17 @@ from conftest import REPO, our_lines, summary
 SCRIPT = [sys.executable, os.path.join(REPO, "dqn_fast.py"), "--env", "cartpole"]
 
 
-def on_small_disk(kib, command, read_only=False, copy=None):
+def on_small_disk(kib, command, read_only=False, copy=None, keep=False):
     """The command line that runs command with runs/ a tmpfs of kib KiB of its own (holding a copy
-    of the folder copy, if given; read-only, if asked), in a user and mount namespace; None where
-    that cannot be made."""
+    of the folder copy, if given; read-only, if asked; copied to kept/ at the end, if asked), in a
+    user and mount namespace; None where that cannot be made."""
     mount = f"mkdir -p runs && mount -t tmpfs -o size={kib}k tmpfs runs"
     if copy:
         mount += f" && cp -r {copy} runs/"
     if read_only:
         mount += " && mount -o remount,ro runs"
-    wrapped = ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$@"', "sh", *command]
+    run = '"$@"; code=$?; cp -r runs kept; exit $code' if keep else 'exec "$@"'
+    wrapped = ["unshare", "-rm", "sh", "-c", f"{mount} && {run}", "sh", *command]
     try:
         probe = subprocess.run(
             ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True
@@ -36,9 +39,9 @@ def on_small_disk(kib, command, read_only=False, copy=None):
     return wrapped if probe.returncode == 0 else None
 
 
-def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None):
+def run_on_small_disk(tmp_path, kib, *args, read_only=False, copy=None, keep=False):
     """Run dqn_fast on CartPole with args, runs/ a small disk: (exit code, stdout, stderr)."""
-    command = on_small_disk(kib, [*SCRIPT, *args], read_only, copy)
+    command = on_small_disk(kib, [*SCRIPT, *args], read_only, copy, keep)
     if command is None:
         pytest.skip("no user and mount namespaces here (unshare -rm)")
     proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -98,14 +101,19 @@ def test_resume_of_a_folder_on_a_read_only_disk_stops_at_once_with_one_line(tmp_
     ]
 
 
+def loads(path):
+    """Whether path holds a whole torch file."""
+    return bool(torch.load(path, weights_only=True))
+
+
 @pytest.mark.slow
-def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_goes_on(tmp_path):
+def test_a_checkpoint_that_does_not_fit_ends_the_run_with_one_line_and_leaves_the_last_whole(
+    tmp_path,
+):
     # A run past its first training step, its checkpoint (355 kB) holding Adam's moments, resumed on
     # a disk of its folder's size and 160 KiB more: room for a new best.pt (72 kB) and the events
-    # (under 30 kB), never for a new checkpoint beside the old, which only grows (a run stopped
-    # before the first step writes one of 160 kB, which a small disk can hold or not, as the
-    # machine's speed has it).
-    folder, first = made_run(tmp_path / "made", 1200)
+    # (under 30 kB), never for a new checkpoint beside the old, which only grows.
+    folder, _ = made_run(tmp_path / "made", 1200)
     # The size is counted in tmpfs pages.
     kib = sum(-(-path.stat().st_size // 4096) * 4 for path in folder.iterdir()) + 160
     code, out, err = run_on_small_disk(
@@ -114,65 +122,59 @@ def test_a_checkpoint_that_does_not_fit_costs_one_line_an_interval_and_the_run_g
         "--resume",
         f"runs/{folder.name}",
         "--max-frames",
-        "5000",
+        "50000",
         "--checkpoint-minutes",
         "0.005",
         copy=str(folder),
+        keep=True,
     )
-    lines = our_lines(err)
-    assert code == 2 and len(lines) >= 2, err
-    for line in lines[:-1]:  # a try at each interval of 0.3 s, one line each; the run went on
-        assert re.fullmatch(
-            "dqn_fast.py: warning: " + FULL.format("checkpoint.pt") + ": the checkpoint before it "
-            r"stays, the run goes on and tries again after 0.3 s",
-            line,
-        ), line
+    (line,) = our_lines(err)
+    assert code == 2 and re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt"), line)
     result = summary(out)
-    assert result["frames"] >= 5000 and not result["solved"]
-    assert len(lines) - 1 <= (result["seconds"] - first["seconds"]) / 0.3 + 1
-    # The stop's own checkpoint fails too: with no checkpoint to go on from,
-    # the run ends with code 2.
-    assert re.fullmatch(
-        "dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
-        lines[-1],
-    ), lines[-1]
+    assert 1200 < result["frames"] < 50000 and not result["solved"]
+    # The checkpoint it resumed from and best.pt are whole; no temporary is left.
+    kept = tmp_path / "kept" / folder.name
+    assert loads(kept / runs.CHECKPOINT) and loads(kept / "best.pt")
+    assert (kept / runs.CHECKPOINT).read_bytes() == (folder / runs.CHECKPOINT).read_bytes()
+    assert not (kept / (runs.CHECKPOINT + ".tmp")).exists()
 
 
 @pytest.mark.slow
-def test_a_solved_run_whose_last_checkpoint_does_not_fit_is_a_solve(tmp_path):
+def test_a_solved_run_whose_last_checkpoint_does_not_fit_ends_with_one_line_and_its_solve(tmp_path):
     # 512 KiB: room for the events and best.pt (under 150 kB), not for the checkpoint of a full
     # buffer (700 kB).
     code, out, err = run_on_small_disk(tmp_path, 512, "--seed", "1", "--max-frames", "50000")
-    assert code == 0, err
+    assert code == 2, err
     assert summary(out)["solved"]
     (line,) = our_lines(err)
-    assert re.fullmatch(
-        "dqn_fast.py: error: " + FULL.format("checkpoint.pt") + ": the checkpoint before it stays",
-        line,
-    ), line
+    assert re.fullmatch("dqn_fast.py: error: " + FULL.format("checkpoint.pt"), line), line
 
 
 @pytest.mark.slow
-def test_best_pt_and_events_that_do_not_fit_cost_one_line_each_and_the_run_goes_on(tmp_path):
-    # 32 KiB: best.pt (70 kB) never fits, the events (50 kB by the end) stop fitting mid-run.
+def test_a_best_pt_that_does_not_fit_ends_the_run_with_one_line(tmp_path):
+    # 32 KiB: best.pt (70 kB) never fits; the events of 100 games (about 20 kB) do.
     code, out, err = run_on_small_disk(
         tmp_path, 32, "--max-frames", "20000", "--checkpoint-minutes", "0"
     )
-    assert code == 0, err
+    (line,) = our_lines(err)
+    assert code == 2 and re.fullmatch("dqn_fast.py: error: " + FULL.format("best.pt"), line), line
     result = summary(out)
-    assert result["frames"] >= 20000 or result["solved"]
-    # best.pt was a new best many times: there is one line until a write succeeds.
-    best, events = our_lines(err)
-    assert re.fullmatch(
-        "dqn_fast.py: warning: " + FULL.format("best.pt") + ": best.pt stays as it was, the run "
-        "goes on",
-        best,
-    ), best
-    assert re.fullmatch(
-        r"dqn_fast.py: warning: cannot log to TensorBoard in runs/dqn_fast-cartpole-[\d-]+ "
-        r"\(No space left on device\): going on unlogged",
-        events,
-    ), events
+    assert result["episodes"] == 100 and not result["solved"]
+
+
+@pytest.mark.slow
+def test_events_that_do_not_fit_end_the_run_with_one_line(tmp_path):
+    # 8 KiB: the events of the first few dozen games fill it, long before 100 games make a best.pt.
+    code, out, err = run_on_small_disk(
+        tmp_path, 8, "--max-frames", "20000", "--checkpoint-minutes", "0"
+    )
+    (line,) = our_lines(err)
+    assert code == 2 and re.fullmatch(
+        r"dqn_fast.py: error: cannot write in runs/dqn_fast-cartpole-[\d-]+ "
+        r"\(No space left on device\)",
+        line,
+    ), line
+    assert summary(out)["episodes"] < 100
 
 
 # ---------------------------------------------------------------- a resumed run's mapping

@@ -25,7 +25,7 @@ import a3c_grad
 import common
 import dqn_compile
 import runs
-from conftest import DQN_SCRIPTS, REPO, free_port, hook, hooked_env, our_lines
+from conftest import DQN_SCRIPTS, REPO, free_port, hook, hooked_env, our_lines, summary
 
 ENVS = {"dqn_baseline": 1, "dqn_fast": 3, "dqn_mp": 3, "dqn_compile": 3}  # frames a training step
 # Every DQN script's CartPole hyperparameters: training from frame 1,000, a target sync every 200
@@ -327,10 +327,11 @@ def tensors(obj):
     return [t for value in values for t in tensors(value)]
 
 
-def test_an_unwritable_periodic_checkpoint_costs_a_line_and_is_tried_again_at_the_next_interval(
+def test_an_unwritable_periodic_checkpoint_ends_the_run_with_one_line_its_summary_and_code_2(
     stopped_run, run_main, monkeypatch, capsys
 ):
-    before, tries = (stopped_run / runs.CHECKPOINT).read_bytes(), []
+    checkpoint, best = (stopped_run / runs.CHECKPOINT).read_bytes(), (stopped_run / "best.pt")
+    best_before, tries = best.read_bytes(), []
     save = torch.save
 
     def full_disk_save(obj, f, *args, **kwargs):  # a checkpoint's write fails as on a full disk
@@ -346,15 +347,18 @@ def test_an_unwritable_periodic_checkpoint_costs_a_line_and_is_tried_again_at_th
         "--resume",
         str(stopped_run),
         "--max-frames",
-        "1600",
+        "10000",
         "--checkpoint-minutes",
         "0.0005",
     )
     out, err = capsys.readouterr()
-    lines = our_lines(err)
-    # The periodic tries and the stop's cost a line each.
-    assert len(tries) >= 3 and len(lines) == len(tries)
-    assert all("checkpoint.pt" in line and os.strerror(errno.ENOSPC) in line for line in lines)
-    assert tries == sorted(tries) and tries[-1] >= 1600  # the run went on, to its frame budget
-    # The last checkpoint stays.
-    assert code == 2 and (stopped_run / runs.CHECKPOINT).read_bytes() == before
+    # The first periodic try ends the run, at its frames: no checkpoint is tried at the stop.
+    assert code == 2 and len(tries) == 1 and summary(out)["frames"] == tries[0] < 10000
+    assert our_lines(err) == [
+        f"dqn_baseline.py: error: cannot write {stopped_run / runs.CHECKPOINT} "
+        f"({os.strerror(errno.ENOSPC)})"
+    ]
+    # What was written before stays, and loads.
+    assert (stopped_run / runs.CHECKPOINT).read_bytes() == checkpoint
+    assert best.read_bytes() == best_before and torch.load(best, weights_only=True)["state_dict"]
+    assert not (stopped_run / (runs.CHECKPOINT + ".tmp")).exists()

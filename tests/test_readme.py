@@ -186,18 +186,12 @@ def test_the_first_runs_last_line_in_the_readme_has_the_fields_a_run_prints_each
     tracker = types.SimpleNamespace(
         args=types.SimpleNamespace(script="dqn_fast", env="cartpole"),
         frames=1,
-        train_frames=1,
-        episodes=1,
         seconds=1.0,
-        train_seconds=1.0,
-        first_step=0.0,
         rewards=[1.0],
         solved=True,
     )
     assert list(line) == list(runs.RewardTracker.summary(tracker))
-    assert (
-        line["solved"] is True and line["frames"] - line["train_frames"] >= 1_000
-    )  # the replay buffer's warm-up
+    assert line["solved"] is True
     for field in line:
         assert f"`{field}`" in first_run, field
     with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:

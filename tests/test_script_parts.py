@@ -31,9 +31,9 @@ A3C_MODULES = [a3c_data, a3c_grad]
 @pytest.mark.parametrize(
     "modules, names",
     [
-        (DQN_MODULES, ["PONG", "CARTPOLE", "HYPERPARAMS", "DQN", "epsilon_by_frame"]),
+        (DQN_MODULES, ["DQN", "epsilon_by_frame"]),
         ([dqn_fast, dqn_mp], ["DQNAgent"]),
-        ([dqn_fast, dqn_mp, dqn_compile], ["calc_loss_dqn"]),
+        ([dqn_fast, dqn_mp, dqn_compile], ["PONG", "CARTPOLE", "HYPERPARAMS", "calc_loss_dqn"]),
         (A3C_MODULES, ["A2C", "select_actions", "calc_loss_a2c"]),
     ],
 )
@@ -48,6 +48,11 @@ def test_copies_between_scripts_are_identical(modules, names):
                 )
             else:
                 assert other == first, f"{module.__name__}.{name}"
+
+
+def test_the_faster_dqns_hyperparameters_are_the_baselines_and_the_envs_stepped_as_one():
+    for env in ["pong", "cartpole"]:
+        assert dqn_fast.HYPERPARAMS[env] == dict(dqn_baseline.HYPERPARAMS[env], envs=3)
 
 
 def test_a3c_scripts_differ_only_in_batching():

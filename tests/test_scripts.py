@@ -186,7 +186,11 @@ BAD_COUNTS = [
 
 @pytest.mark.parametrize("script", SCRIPTS + ["a3c_dist"])
 @pytest.mark.parametrize("args, message", BAD_INPUT)
-def test_bad_input_ends_with_one_line_and_exit_code_2(script, args, message, in_process, capsys):
+def test_bad_input_ends_with_one_line_and_exit_code_2(
+    script, args, message, in_process, monkeypatch, capsys
+):
+    if script == "a3c_dist":  # as torchrun starts rank 0, which reads the options
+        monkeypatch.setenv("RANK", "0")
     assert in_process(script, *args) == 2
     out, err = capsys.readouterr()
     (line,) = our_lines(err)
@@ -548,7 +552,7 @@ def test_a_script_runs_alone_in_an_empty_folder_with_the_modules_it_imports(scri
         assert set(found) == modules - {script} and {
             os.path.dirname(path) for path in found.values()
         } == {str(alone)}
-    assert summary(proc.stdout)["train_frames"] > 0  # it trained
+    assert "train/loss" in events(alone)  # it trained
 
 
 # ---------------------------------------------------------------- Pong, tiny budget
@@ -575,7 +579,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     assert code == 0, err
     assert our_lines(err) == err.splitlines()  # no library's warnings or banners
     result = summary(out)
-    assert result["script"] == script and result["env"] == "pong" and result["train_frames"] > 0
+    assert result["script"] == script and result["env"] == "pong"
     scalars = events(tmp_path)
     assert len(scalars["train/loss"]) > 0
     expected = (
@@ -731,7 +735,7 @@ def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
 def assert_told_of_the_dead_first_layer(script, err, folder):
     """One warning naming relu1 and what to do, and the health scalars in the run's events."""
     (warning,) = our_lines(err)
-    assert warning.startswith(f"{script}.py: warning: at ") and " relu1 " in warning
+    assert warning.startswith(f"{script}.py: warning: the network's relu1 had under 0.03% of")
     assert "--seed" in warning
     scalars = events(folder)
     assert set(scalars["health/relu1/active"]) == {0.0}
@@ -839,9 +843,12 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     )
     samples = int((tmp_path / "samples").read_text())
     # Every training step's loss is on 32 * envs samples and comes with one step of all envs: envs
-    # frames, less the slots that only reset an env (at most one per finished episode).
+    # frames, less the slots that only reset an env (at most one per finished episode), from the
+    # first step, within envs frames of the warm-up's 1,000.
     assert samples == 32 * envs * steps
-    assert envs * steps - result["episodes"] - envs <= result["train_frames"] <= envs * steps
+    assert (
+        envs * steps - result["episodes"] - envs <= result["frames"] - 1000 <= envs * steps + envs
+    )
 
 
 @slow
@@ -960,7 +967,7 @@ def test_a_single_process_script_runs_its_gpu_lines_end_to_end_on_the_cpu_stand_
         )
     code, out, err = run(script, *args, cwd=tmp_path, env=env)
     assert code == 0 and our_lines(err) == [], err
-    assert summary(out)["train_frames"] > 0
+    assert "train/loss" in events(tmp_path)  # it trained
 
 
 # -------------------------------------------------------------- dqn_mp: play at most one step ahead
@@ -1349,7 +1356,7 @@ def test_a3c_dist_runs_on_pong_with_optimizer_steps_and_logs(tmp_path):
     assert proc.returncode == 0, err
     assert our_lines(err) == err.splitlines()  # no library's warnings or banners
     result = summary(out)
-    assert result["script"] == "a3c_dist" and result["env"] == "pong" and result["train_frames"] > 0
+    assert result["script"] == "a3c_dist" and result["env"] == "pong"
     scalars = events(tmp_path)  # rank 0 alone writes TensorBoard
     assert len(scalars["train/loss"]) > 0 and set(A3C_TAGS) <= set(scalars)
 
