@@ -637,7 +637,7 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
     assert (
         checkpoint["tracker"]["frames"] == stopped["frames"]
-        and checkpoint["tracker"]["episodes"] == stopped["episodes"]
+        and len(checkpoint["tracker"]["rewards"]) == stopped["episodes"]
     )
     assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
     own_count = (
@@ -658,7 +658,7 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     restored = torch.load(tmp_path / "restored.pt", weights_only=True)
     # weights, optimizer, buffer, experience source, the tracker's record, the script's counters
     assert_same({name: checkpoint[name] for name in restored}, restored, "restored")
-    assert set(checkpoint) - set(restored) == {"format", "script", "segments", "options", "rng"}
+    assert set(checkpoint) - set(restored) == {"format", "script", "segments", "options"}
     result = json.loads(out.strip().splitlines()[-1])
     assert result["solved"] and result["mean_reward"] >= common.STOP_REWARDS["cartpole"], result
     assert result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]
