@@ -96,10 +96,10 @@ def setup(parser, hyperparams):
     args.segment = checkpoint["segments"] if checkpoint else 0
     # The k-th segment plays new games.
     args.seed = (args.seed + args.segment * SEGMENT_SEED) % 2**30
-    name = "-".join(
+    run_name = "-".join(
         filter(None, [args.script, args.env, args.name, time.strftime("%Y%m%d-%H%M%S")])
     )
-    args.folder = args.resume or os.path.join("runs", name)
+    args.folder = args.resume or os.path.join("runs", run_name)
     if args.bf16 and not bf16_native(args.cuda):
         device = "GPU" if args.cuda else "CPU"
         warn(args, f"--bf16 is emulated on this {device}: it may run slower than fp32")

@@ -601,7 +601,7 @@ def test_runs_on_pong_with_optimizer_steps_and_logs(script, device, tmp_path):
     checkpoint = torch.load(folder / runs.CHECKPOINT, mmap=True, weights_only=True)
     assert (
         checkpoint["tracker"]["frames"] == result["frames"]
-        and checkpoint["tracker"]["episodes"] == result["episodes"]
+        and len(checkpoint["tracker"]["rewards"]) == result["episodes"]
     )
     # every child acts with a network on the run's device
     children = {path.name: path.read_text() for path in (tmp_path / "devices").iterdir()}

@@ -9,10 +9,10 @@ _setup = runs.setup
 
 
 def short_warm_up_setup(*args):
-    args, params = _setup(*args)
+    args, params, checkpoint = _setup(*args)
     if hasattr(params, "replay_start"):
         params.replay_start = int(os.environ["RL_TEST_REPLAY_START"])
-    return args, params
+    return args, params, checkpoint
 
 
 runs.setup = short_warm_up_setup
