@@ -101,56 +101,49 @@ class ExperienceSourceFirstLast:
     """Steps a vector env with a batched agent; each iteration is one step of all envs and
     yields the n-step experiences it completed."""
 
-    def __init__(self, env, agent, gamma, steps_count=1, seed=None, overlap=False):
-        """overlap: the envs play each step while the caller works on the experiences of the step
-        before (the env needs send and recv, as ale-py's vector env has)."""
+    def __init__(self, env, agent, gamma, steps_count=1, seed=None):
         self.env, self.agent = env, agent
-        self.gamma, self.steps_count, self.seed, self.overlap = gamma, steps_count, seed, overlap
+        self.gamma, self.steps_count, self.seed = gamma, steps_count, seed
         self.frames = 0  # agent steps taken, all envs together
         self.finished = []  # (reward, steps) of episodes ended since pop_episodes()
+        n = env.num_envs
+        self.history = [collections.deque() for _ in range(n)]  # (state, action, reward) per env
+        self.ep_reward, self.ep_steps = np.zeros(n), np.zeros(n, dtype=np.int64)
+        self.needs_reset = np.zeros(n, dtype=bool)
 
     def __iter__(self):
-        """Forever: step all envs once, yield the list of experiences that step completed (with
-        overlap, while the envs play the next step: the first list, before any step, is empty)."""
-        n = self.env.num_envs
+        """Forever: step all envs once, yield the list of experiences that step completed."""
         obs, _ = self.env.reset(seed=self.seed)
-        history = [collections.deque() for _ in range(n)]  # (state, action, reward) per env
-        ep_reward, ep_steps = np.zeros(n), np.zeros(n, dtype=np.int64)
-        needs_reset = np.zeros(n, dtype=bool)
-        exps = []
         while True:
             actions = self.agent(obs)
-            if self.overlap:
-                self.env.send(actions)
-                # The caller works on the last step's experiences while the envs play this one.
-                yield exps
-                next_obs, rewards, terminated, truncated, _ = self.env.recv()
-            else:
-                next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
-            exps = []
-            for i in range(n):
-                if needs_reset[i]:  # next-step autoreset: this step only reset env i
-                    needs_reset[i] = False
-                    continue
-                self.frames += 1
-                ep_reward[i] += rewards[i]
-                ep_steps[i] += 1
-                history[i].append((obs[i], actions[i], rewards[i]))
-                if terminated[i] or truncated[i]:
-                    # bootstrap from the real last observation on truncation, never on termination
-                    last = None if terminated[i] else next_obs[i]
-                    while history[i]:
-                        exps.append(self._first_last(history[i], last))
-                        history[i].popleft()
-                    self.finished.append((ep_reward[i], int(ep_steps[i])))
-                    ep_reward[i], ep_steps[i] = 0, 0
-                    needs_reset[i] = True
-                elif len(history[i]) == self.steps_count:
-                    exps.append(self._first_last(history[i], next_obs[i]))
-                    history[i].popleft()
+            next_obs, rewards, terminated, truncated, _ = self.env.step(actions)
+            yield self.experiences(obs, actions, rewards, terminated, truncated, next_obs)
             obs = next_obs
-            if not self.overlap:
-                yield exps
+
+    def experiences(self, obs, actions, rewards, terminated, truncated, next_obs):
+        """Take in a step of all envs; return the experiences it completed."""
+        exps = []
+        for i, history in enumerate(self.history):
+            if self.needs_reset[i]:  # next-step autoreset: this step only reset env i
+                self.needs_reset[i] = False
+                continue
+            self.frames += 1
+            self.ep_reward[i] += rewards[i]
+            self.ep_steps[i] += 1
+            history.append((obs[i], actions[i], rewards[i]))
+            if terminated[i] or truncated[i]:
+                # bootstrap from the real last observation on truncation, never on termination
+                last = None if terminated[i] else next_obs[i]
+                while history:
+                    exps.append(self._first_last(history, last))
+                    history.popleft()
+                self.finished.append((self.ep_reward[i], int(self.ep_steps[i])))
+                self.ep_reward[i], self.ep_steps[i] = 0, 0
+                self.needs_reset[i] = True
+            elif len(history) == self.steps_count:
+                exps.append(self._first_last(history, next_obs[i]))
+                history.popleft()
+        return exps
 
     def _first_last(self, history, last_state):
         """Experience from the first state in history to last_state."""
@@ -164,13 +157,6 @@ class ExperienceSourceFirstLast:
         """(reward, steps) of every episode finished since the last call."""
         finished, self.finished = self.finished, []
         return finished
-
-    def state_dict(self):
-        """What a resumed run goes on from: the frame count (the games in progress start anew)."""
-        return {"frames": self.frames}
-
-    def load_state_dict(self, state):
-        self.frames = state["frames"]
 
 
 def digest(frame):
@@ -264,11 +250,9 @@ class ReplayBuffer:
         i = self.pos
         for slot, frame in self.index.place(i, exp):
             self.frames[slot] = frame
-        self.actions[i], self.rewards[i], self.dones[i] = (
-            exp.action,
-            exp.reward,
-            exp.last_state is None,
-        )
+        self.actions[i] = exp.action
+        self.rewards[i] = exp.reward
+        self.dones[i] = exp.last_state is None
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
@@ -349,8 +333,7 @@ class NetworkHealth:
     passes no gradient back, so it stays zero: when a layer has no live units left, every state gets
     the same Q-values."""
 
-    # The fixed batch holds the states at evenly spread buffer positions at the first measure.
-    STATES = 256
+    STATES = 256  # the fixed batch: states at evenly spread buffer positions at the first measure
 
     def __init__(self, net, buffer):
         self.net, self.buffer, self.states = net, buffer, None
@@ -365,8 +348,8 @@ class NetworkHealth:
         if self.states is None:
             count = min(self.STATES, len(self.buffer))  # distinct positions, at least 1 apart
             positions = np.linspace(0, len(self.buffer) - 1, count).astype(np.int64)
-            device = next(self.net.parameters()).device
-            self.states = torch.as_tensor(self.buffer.transitions(positions)[0], device=device)
+            states = self.buffer.transitions(positions)[0]
+            self.states = torch.as_tensor(states, device=next(self.net.parameters()).device)
         outputs = []
         hooks = [
             relu.register_forward_hook(lambda module, inputs, output: outputs.append(output))

@@ -123,13 +123,13 @@ if __name__ == "__main__":
             optimizer=optimizer,
             buffer=buffer,
             tracker=tracker,
-            exp_source=exp_source,
             train_steps=train_steps,
         )
 
     if checkpoint:  # go on where the stopped run was: its states and counters
         train_steps = checkpoint["train_steps"]
         runs.restore(checkpoint, checkpoint_contents())
+        exp_source.frames = tracker.frames  # the frames played go on counting
         # The first step acts at the resumed run's epsilon.
         agent.epsilon = epsilon_by_frame(params, exp_source.frames)
 

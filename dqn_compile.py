@@ -207,6 +207,24 @@ class DeviceReplayBuffer:
         return states, self.actions[idx], self.rewards[idx], self.dones[idx], last_states
 
 
+class OverlappedExperienceSource(common.ExperienceSourceFirstLast):
+    """common.ExperienceSourceFirstLast whose envs play each step while the caller trains on the
+    experiences of the step before: ale-py's vector env steps in its threads from send to recv."""
+
+    def __iter__(self):
+        """Forever: send all envs' actions, yield the last step's experiences while the envs play
+        (the first list, before any step, is empty), then take in the step."""
+        obs, _ = self.env.reset(seed=self.seed)
+        exps = []
+        while True:
+            actions = self.agent(obs)
+            self.env.send(actions)
+            yield exps
+            next_obs, rewards, terminated, truncated, _ = self.env.recv()
+            exps = self.experiences(obs, actions, rewards, terminated, truncated, next_obs)
+            obs = next_obs
+
+
 class CUDAGraphStep:
     """fn(*args) replayed as one CUDA graph, as torch's CUDA notes capture a whole network: the
     first WARMUP_CALLS calls run it on a side stream, the next records it, each one after replays
@@ -301,12 +319,12 @@ if __name__ == "__main__":
     )
     # On the GPU, ale-py's envs play the next step in their threads as the GPU trains on this one.
     overlap = args.cuda and hasattr(env, "send")
-    exp_source = common.ExperienceSourceFirstLast(
+    source = OverlappedExperienceSource if overlap else common.ExperienceSourceFirstLast
+    exp_source = source(
         env,
         lambda states: act(net, torch.as_tensor(states, device=device), epsilon).cpu().numpy(),
         params.gamma,
         seed=args.seed,
-        overlap=overlap,
     )
     tracker = runs.RewardTracker(args, net, env)
     health = common.NetworkHealth(net, buffer)  # are the ReLUs still firing
@@ -319,13 +337,13 @@ if __name__ == "__main__":
             optimizer=optimizer,
             buffer=buffer,
             tracker=tracker,
-            exp_source=exp_source,
             train_steps=train_steps,
         )
 
     if checkpoint:  # go on where the stopped run was: its states and counters
         train_steps = checkpoint["train_steps"]
         runs.restore(checkpoint, checkpoint_contents())
+        exp_source.frames = tracker.frames  # the frames played go on counting
         # The first step acts at the resumed run's epsilon.
         epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
     set_capturable(optimizer, device)  # after a restore, before the first compiled step

@@ -214,42 +214,6 @@ def test_two_envs_never_mix_experiences():
     assert source.pop_episodes() == [(11.0, 2), (1111.0, 4), (11.0, 2)]
 
 
-def pong_experiences(overlap, steps):
-    """Every experience of `steps` steps of 2 Pong envs (ale-py's vector env, seed 0) under a fixed
-    cycle of actions, with the frame count after each step."""
-    env = common.make_fast_env("pong", 2)
-    source = common.ExperienceSourceFirstLast(
-        env, lambda obs: np.array([0, 2]), GAMMA, seed=0, overlap=overlap
-    )
-    played, frames = [], []
-    for exps in source:
-        played += exps
-        frames.append(source.frames)
-        if len(frames) == steps:
-            break
-    env.close()
-    return played, frames
-
-
-def test_split_stepping_yields_what_step_does_for_the_same_actions():
-    # NOOP and UP: a Pong game ends (21-0) within 1,000 steps, so an episode's end and the
-    # autoreset step after it are among the transitions compared
-    stepped, frames = pong_experiences(False, 1100)
-    # With overlap, the first yield comes before any step.
-    split, split_frames = pong_experiences(True, 1101)
-    assert split_frames[0] == 0 and split_frames[1:] == frames
-    assert any(exp.last_state is None for exp in stepped)
-    assert len(split) == len(stepped) > 2 * 1000
-    for a, b in zip(stepped, split):
-        assert np.array_equal(a.state, b.state) and (a.action, a.reward, a.steps) == (
-            b.action,
-            b.reward,
-            b.steps,
-        )
-        assert (a.last_state is None) == (b.last_state is None)
-        assert a.last_state is None or np.array_equal(a.last_state, b.last_state)
-
-
 # ---------------------------------------------------------------- ReplayBuffer
 FRAMES_SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 VECTOR_SPACE = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)

@@ -129,7 +129,7 @@ def test_each_acting_call_uses_epsilon_by_frame_of_frames_played_also_first_in_a
 ):
     assert run_main(script, "--env", "cartpole", "--max-frames", "1300") == 0
     first_segment = len(acting)
-    stopped_at = torch.load(the_run(in_tmp) / runs.CHECKPOINT, weights_only=True)["exp_source"][
+    stopped_at = torch.load(the_run(in_tmp) / runs.CHECKPOINT, weights_only=True)["tracker"][
         "frames"
     ]
     assert acting[0] == (0, CARTPOLE.epsilon_start) and stopped_at >= 1300

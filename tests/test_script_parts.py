@@ -798,3 +798,37 @@ def test_bf16_net_returns_fp32_and_nearly_fp32_values(make, device, pong_frames,
     ):
         assert approx.dtype == torch.float32
         assert 0 < relative_error(approx, value) <= 2 * 4 * U  # 4 layers, two rounded operands each
+
+
+def pong_experiences(source_class, steps):
+    """Every experience of `steps` steps of 2 Pong envs (ale-py's vector env, seed 0) under a fixed
+    cycle of actions, with the frame count after each step."""
+    env = common.make_fast_env("pong", 2)
+    source = source_class(env, lambda obs: np.array([0, 2]), 0.99, seed=0)
+    played, frames = [], []
+    for exps in source:
+        played += exps
+        frames.append(source.frames)
+        if len(frames) == steps:
+            break
+    env.close()
+    return played, frames
+
+
+def test_overlapped_source_yields_what_the_common_source_does_for_the_same_actions():
+    # NOOP and UP: a Pong game ends (21-0) within 1,000 steps, so an episode's end and the
+    # autoreset step after it are among the transitions compared
+    stepped, frames = pong_experiences(common.ExperienceSourceFirstLast, 1100)
+    # The overlapped source's first yield comes before any step.
+    split, split_frames = pong_experiences(dqn_compile.OverlappedExperienceSource, 1101)
+    assert split_frames[0] == 0 and split_frames[1:] == frames
+    assert any(exp.last_state is None for exp in stepped)
+    assert len(split) == len(stepped) > 2 * 1000
+    for a, b in zip(stepped, split):
+        assert np.array_equal(a.state, b.state) and (a.action, a.reward, a.steps) == (
+            b.action,
+            b.reward,
+            b.steps,
+        )
+        assert (a.last_state is None) == (b.last_state is None)
+        assert a.last_state is None or np.array_equal(a.last_state, b.last_state)
