@@ -631,7 +631,8 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     script, precision, tmp_path
 ):
     # tests/first_steps.json holds each parameter's sum after the listed Adam steps (CartPole, seed
-    # 7), recorded at 75347b4 on the CPU machine (AVX512, bf16 native), a3c_grad's and a3c_dist's at
+    # 7), recorded at 75347b4 on the CPU machine (AMD EPYC: AVX512, bf16 native, no AMX; an Intel
+    # Xeon with AMX rounds bf16 otherwise past step 200), a3c_grad's and a3c_dist's at
     # 9e5add1 with 4 workers and 4 ranks (128 samples a step: the table's learning rate); fp32 steps
     # 1 and 2 are those of b1d08b5 but for a3c_data's step 2 (its workers now act in lock step) and
     # a3c_grad's and a3c_dist's. A change to the math, or to what the generators draw, moves these
@@ -671,6 +672,7 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     same_kind = record["cpu"] == {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": runs.bf16_native(cuda=False),
+        "amx_bf16": torch.cpu.get_capabilities().get("amx_bf16", False),
     }
     for step in (
         expected
