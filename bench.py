@@ -346,7 +346,7 @@ def dqn_ceiling(env_name, space, n_actions, device, seconds, bf16=False):
     params = types.SimpleNamespace(**dqn_fast.HYPERPARAMS[env_name])
     net = dqn_fast.DQN(space.shape, n_actions, bf16).to(device)
     tgt_net = dqn_fast.DQN(space.shape, n_actions, bf16).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     states = real_states(env_name, params.batch_size)
     batch = (
         states,

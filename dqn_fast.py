@@ -17,6 +17,7 @@ import runs
 PONG = dict(
     gamma=0.99,
     learning_rate=1e-4,
+    adam_eps=1.5e-4,  # Rainbow's for Atari: torch's 1e-8 let Pong's ReLUs die (docs/RESULTS.md)
     batch_size=32,
     replay_size=100_000,
     replay_start=10_000,  # frames played before the first training step
@@ -113,7 +114,7 @@ if __name__ == "__main__":
     env = common.make_fast_env(args.env, params.envs)
     net = DQN(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     tgt_net = copy.deepcopy(net)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     agent = DQNAgent(net, epsilon_by_frame(params, 0), device)
     exp_source = common.ExperienceSourceFirstLast(env, agent, params.gamma, seed=args.seed)
