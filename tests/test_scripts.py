@@ -631,12 +631,12 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     script, precision, tmp_path
 ):
     # tests/first_steps.json holds each parameter's sum after the listed Adam steps (CartPole, seed
-    # 7), recorded at 75347b4 on the CPU machine (AMD EPYC: AVX512, bf16 native, no AMX; an Intel
-    # Xeon with AMX rounds bf16 otherwise past step 200), a3c_grad's and a3c_dist's at
-    # 9e5add1 with 4 workers and 4 ranks (128 samples a step: the table's learning rate); fp32 steps
-    # 1 and 2 are those of b1d08b5 but for a3c_data's step 2 (its workers now act in lock step) and
-    # a3c_grad's and a3c_dist's. A change to the math, or to what the generators draw, moves these
-    # sums: the Pong solves on record count for code that passes this test.
+    # 7), recorded at 2dbaf75 (the DQN scripts' Adam with eps 1.5e-4) on a CPU machine with an Intel
+    # Xeon (AVX512, bf16 native, AMX; an AMD EPYC without AMX rounds bf16 otherwise past step 200),
+    # a3c_grad and a3c_dist with 4 workers and 4 ranks (128 samples a step: the table's learning
+    # rate); the A3C scripts' sums are those recorded at 75347b4 and 9e5add1 within 1e-7. A change
+    # to the math, or to what the generators draw, moves these sums: the Pong solves on record
+    # count for code that passes this test.
     env = dict(
         hooked_env(tmp_path, hook("first_steps")),
         RL_TEST_STEPS=str(tmp_path / "steps.json"),
