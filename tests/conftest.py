@@ -20,8 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOKS = pathlib.Path(__file__).parent / "hooks"
 # Two tests run at once (pytest.ini): their scripts compute on one thread each, as under torchrun.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The frames a CartPole run from seed 1 may take to solve: about twice the most that any seed took
-# in docs/RESULTS.md's records (DQN 25.8k, A3C 298k).
+# The frames a CartPole run from seed 1 may take to solve: about twice the most it took in
+# docs/RESULTS.md's records (DQN 25.8k, A3C 282k).
 BUDGET = {
     "dqn_baseline": 50_000,
     "dqn_fast": 50_000,
