@@ -635,8 +635,8 @@ def test_the_first_steps_from_a_seed_take_the_weights_where_they_took_them_befor
     # Xeon (AVX512, bf16 native, AMX; an AMD EPYC without AMX rounds bf16 otherwise past step 200),
     # a3c_grad and a3c_dist with 4 workers and 4 ranks (128 samples a step: the table's learning
     # rate); the A3C scripts' sums are those recorded at 75347b4 and 9e5add1 within 1e-7. A change
-    # to the math, or to what the generators draw, moves these sums: the Pong solves on record
-    # count for code that passes this test.
+    # to the math, or to what the generators draw, moves these sums: a Pong solve on record counts
+    # for today's code while the record it ran under is this one.
     env = dict(
         hooked_env(tmp_path, hook("first_steps")),
         RL_TEST_STEPS=str(tmp_path / "steps.json"),
