@@ -20,13 +20,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOKS = pathlib.Path(__file__).parent / "hooks"
 # Two tests run at once (pytest.ini): their scripts compute on one thread each, as under torchrun.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The frames a CartPole run from seed 1 may take to solve: about twice the most it took in
-# docs/RESULTS.md's records (DQN 25.8k, A3C 282k).
+# The frames a CartPole run from seed 1 may take to solve: about twice the most any seed took in
+# docs/RESULTS.md's records (DQN 78.3k, A3C 298k). A run can lose what it learned and learn it
+# again: dqn_mp from seed 1, stopped and resumed, took over 50k frames in 2 of 15 tries (56.4k).
 BUDGET = {
-    "dqn_baseline": 50_000,
-    "dqn_fast": 50_000,
-    "dqn_mp": 50_000,
-    "dqn_compile": 50_000,
+    "dqn_baseline": 150_000,
+    "dqn_fast": 150_000,
+    "dqn_mp": 150_000,
+    "dqn_compile": 150_000,
     "a3c_data": 600_000,
     "a3c_grad": 600_000,
     "a3c_dist": 600_000,
