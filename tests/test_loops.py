@@ -1,8 +1,9 @@
 """What each script's loop does with its own counters, in seconds, in this process where it can: the
 target net syncs at whole-run training steps across a resume, every DQN script acts at the epsilon
-of the frames played (a resumed segment's first step too) and logs the chapter's metrics, a resumed
-A3C run counts its frames on from the checkpoint's, a restored optimizer holds no tensor of the
-checkpoint file, and a periodic checkpoint that cannot be written costs one line."""
+of the frames played (a resumed segment's first step too) and logs the chapter's metrics and its
+network's health (telling once of a dead layer), a resumed A3C run counts its frames on from the
+checkpoint's, a resumed run neither holds nor maps its checkpoint file, and a periodic checkpoint
+that cannot be written costs one line."""
 
 import errno
 import itertools
@@ -177,25 +178,56 @@ CHAPTER_TAGS = [
 
 
 @pytest.mark.parametrize("script", DQN_SCRIPTS)
-def test_a_dqn_run_logs_the_chapters_metrics_avg_loss_the_mean_of_the_losses_logged(
+def test_a_dqn_run_logs_the_chapters_metrics_and_its_health_avg_loss_the_mean_of_the_losses_logged(
     script, in_tmp, run_main, monkeypatch
 ):
     clock, seconds = time.perf_counter, itertools.count()
     # A second passes between readings, so avg_fps is logged.
     monkeypatch.setattr(time, "perf_counter", lambda: clock() + next(seconds))
+    # To 1,700 frames each script trains over 200 steps: its health is measured at the 200th.
     assert (
         run_main(script, "--env", "cartpole", "--max-frames", "1700", "--checkpoint-minutes", "0")
         == 0
     )
     scalars = EventAccumulator(str(the_run(in_tmp)), size_guidance={"scalars": 0})
     scalars.Reload()
-    assert set(CHAPTER_TAGS) <= set(scalars.Tags()["scalars"])
+    tags = set(scalars.Tags()["scalars"])
+    assert set(CHAPTER_TAGS) <= tags
+    assert {"health/relu1/active", "health/relu2/dead_units", "health/q_spread"} <= tags
     losses, avg_losses = (
         [e.value for e in scalars.Scalars(tag)] for tag in ("train/loss", "train/avg_loss")
     )
     assert len(losses) >= 3 and avg_losses == pytest.approx(
         [np.mean(losses[: i + 1]) for i in range(len(losses))]
     )
+
+
+# To 2,000 frames, five health measures with one env a step, one with three.
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
+    script, in_tmp, run_main, monkeypatch, capsys
+):
+    watch = common.NetworkHealth.__init__
+
+    def watch_with_the_first_layer_dead(self, net, buffer):
+        first = next(module for module in net.modules() if isinstance(module, nn.Linear))
+        with torch.no_grad():
+            first.bias.fill_(-100.0)
+        watch(self, net, buffer)
+
+    monkeypatch.setattr(common.NetworkHealth, "__init__", watch_with_the_first_layer_dead)
+    code = run_main(
+        script, "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"
+    )
+    err = capsys.readouterr().err
+    assert code == 0, err
+    (warning,) = our_lines(err)
+    assert warning.startswith(f"{script}.py: warning: the network's relu1 had under 0.03% of")
+    assert "--seed" in warning
+    scalars = EventAccumulator(str(the_run(in_tmp)), size_guidance={"scalars": 0})
+    scalars.Reload()
+    assert {event.value for event in scalars.Scalars("health/relu1/active")} == {0.0}
+    assert scalars.Scalars("health/relu1/dead_units")[-1].value == 1.0
 
 
 # ---------------------------------------------------------------- A3C's gradient clip
@@ -293,15 +325,17 @@ def stopped_run(in_tmp, run_main):
     return the_run(in_tmp)
 
 
-def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_from(
+def test_a_resumed_run_holds_no_tensor_of_its_checkpoint_file_nor_maps_it_once_replaced(
     stopped_run, run_main, monkeypatch
 ):
-    loaded, optimizers = [], []
+    file_storages, optimizers = set(), []
     load, load_state = torch.load, torch.optim.Adam.load_state_dict
 
     def recording_load(*args, **kwargs):
-        loaded.append(load(*args, **kwargs))
-        return loaded[-1]
+        loaded = load(*args, **kwargs)
+        # Read now: the resume clears the checkpoint once its objects hold their states.
+        file_storages.update(t.untyped_storage().data_ptr() for t in tensors(loaded))
+        return loaded
 
     def recording_load_state(self, state):
         optimizers.append(self)
@@ -309,12 +343,15 @@ def test_a_restored_optimizer_holds_no_tensor_of_the_checkpoint_it_was_loaded_fr
 
     monkeypatch.setattr(torch, "load", recording_load)
     monkeypatch.setattr(torch.optim.Adam, "load_state_dict", recording_load_state)
+    # The segment ends with a checkpoint written over the one it resumed from.
     assert run_main("dqn_baseline", "--resume", str(stopped_run), "--max-frames", "1150") == 0
-    (optimizer,) = optimizers
-    # These are the storages of every load of the file.
-    file_storages = {t.untyped_storage().data_ptr() for t in tensors(loaded)}
+    (optimizer,) = optimizers  # kept alive here, with whatever tensors it holds
     state = tensors(optimizer.state_dict()["state"])
-    assert state and not any(t.untyped_storage().data_ptr() in file_storages for t in state)
+    assert file_storages and state
+    assert not any(t.untyped_storage().data_ptr() in file_storages for t in state)
+    if os.path.exists("/proc/self/maps"):  # Linux: a replaced file still mapped is "(deleted)"
+        with open("/proc/self/maps") as maps:
+            assert not [line for line in maps if str(stopped_run) in line]
 
 
 def tensors(obj):

@@ -734,51 +734,6 @@ def test_a_run_prints_no_library_warning_or_banner(env, frames, tmp_path):
     assert code == 0 and err == ""
 
 
-def assert_told_of_the_dead_first_layer(script, err, folder):
-    """One warning naming relu1 and what to do, and the health scalars in the run's events."""
-    (warning,) = our_lines(err)
-    assert warning.startswith(f"{script}.py: warning: the network's relu1 had under 0.03% of")
-    assert "--seed" in warning
-    scalars = events(folder)
-    assert set(scalars["health/relu1/active"]) == {0.0}
-    assert scalars["health/relu1/dead_units"][-1] == 1.0
-    assert {"health/relu2/active", "health/relu2/dead_units", "health/q_spread"} <= set(scalars)
-
-
-# CartPole trains from 1,000 frames and measures the health every 200 steps: to 2,000 frames, five
-# measures with one env, one with three envs a step.
-def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
-    run_main, monkeypatch, capsys, tmp_path
-):
-    import common
-
-    watch = common.NetworkHealth.__init__
-
-    def watch_with_the_first_layer_dead(self, net, buffer):
-        with torch.no_grad():
-            net.body[0].bias.fill_(-100.0)
-        watch(self, net, buffer)
-
-    monkeypatch.setattr(common.NetworkHealth, "__init__", watch_with_the_first_layer_dead)
-    monkeypatch.chdir(tmp_path)
-    code = run_main(
-        "dqn_baseline", "--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"
-    )
-    err = capsys.readouterr().err
-    assert code == 0, err
-    assert_told_of_the_dead_first_layer("dqn_baseline", err, tmp_path)
-
-
-@slow
-@pytest.mark.parametrize("script", DQN_SCRIPTS)
-def test_each_dqn_whose_first_layer_fires_on_no_state_says_so_once(script, tmp_path):
-    args = ["--env", "cartpole", "--max-frames", "2000", "--checkpoint-minutes", "0"]
-    env = hooked_env(tmp_path, hook("first_layer_dead"))
-    code, out, err = run(script, *args, cwd=tmp_path, env=env)
-    assert code == 0, err
-    assert_told_of_the_dead_first_layer(script, err, tmp_path)
-
-
 @pytest.mark.parametrize("native", slow_but(False, [True, False]))
 def test_bf16_says_in_one_line_where_it_is_emulated_and_goes_on(
     native, tmp_path, run_main, monkeypatch, capsys
