@@ -4,12 +4,15 @@ and print a markdown table: train fps (from the run's events: from the end of it
 step, in which dqn_compile compiles, to its last record), ratio to dqn_baseline, fraction of the
 ceiling, peak memory.
 With --bf16, every script runs twice, in fp32 and with --bf16, one after the other, and the table
-gives both and their ratio. With --profile, every script runs twice, alone and under py-spy, and a
-second table and a PNG show, for each of its processes, the share of time spent in each category
-of work (CATEGORIES, RULES)."""
+gives both and their ratio. With --twice, every script runs alone, then two copies of it at once,
+as two runs that share the cores do: the table gives each copy's train fps against one alone's.
+With --profile, every script runs twice, alone and under py-spy, and a second table and a PNG
+show, for each of its processes, the share of time spent in each category of work (CATEGORIES,
+RULES)."""
 
 import argparse
 import collections
+import concurrent.futures
 import glob
 import json
 import os
@@ -513,6 +516,9 @@ def parse_args():
         "--bf16", action="store_true", help="every script in fp32 and with --bf16, with the ratio"
     )
     parser.add_argument(
+        "--twice", action="store_true", help="every script alone, then two copies of it at once"
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="every script also under py-spy: where each process's time goes (table and PNG)",
@@ -523,8 +529,8 @@ def parse_args():
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
-    if args.profile and args.bf16:
-        parser.error("--profile and --bf16 are two benches: run them one at a time")
+    if args.profile + args.bf16 + args.twice > 1:
+        parser.error("--profile, --bf16 and --twice are three benches: run one at a time")
     args.script_args = {s: [] for s in SCRIPTS}
     for script in SCRIPTS[1:]:
         args.script_args[script] += ["--envs", str(args.envs)] if args.envs else []
@@ -623,6 +629,30 @@ def bench_bf16(args):
         )
 
 
+def bench_twice(args):
+    """Each script alone, then two copies of it started together: each copy's train fps against
+    one alone's."""
+    rows = []
+    for script in args.scripts:
+        alone = run_script(script, args, warmup_frames(args, script))
+        print(f"  {script}: {json.dumps(alone)}", file=sys.stderr, flush=True)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            copies = [
+                pool.submit(run_script, script, args, warmup_frames(args, script)) for _ in "ab"
+            ]
+            both = [copy.result() for copy in copies]
+        for summary in both:
+            print(f"  {script}, two at once: {json.dumps(summary)}", file=sys.stderr, flush=True)
+        rows.append((script, alone["train_fps"], [summary["train_fps"] for summary in both]))
+    print("| script | train fps alone | train fps of each, two at once | each vs alone |")
+    print("|---|---:|---:|---:|")
+    for script, alone, each in rows:
+        print(
+            f"| {script} | {alone:.0f} | {each[0]:.0f}, {each[1]:.0f} "
+            f"| {each[0] / alone:.2f}x, {each[1] / alone:.2f}x |"
+        )
+
+
 def bench_speed(args, ceilings):
     """Each script's train fps against dqn_baseline's and its ceiling, and, with --profile, under
     py-spy: the table, and where each process's time goes."""
@@ -682,7 +712,8 @@ def print_profiles(args, profiles):
 
 
 def main():
-    """Measure the ceilings, then the scripts: their speed (and profiles), or fp32 against bf16."""
+    """Measure the ceilings, then the scripts: their speed (and profiles), fp32 against bf16, or
+    one alone against two at once."""
     args = parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
     args.dqn_envs = args.envs or 3  # as many envs as the DQN scripts step as one
@@ -706,6 +737,8 @@ def main():
     print_machine_and_ceilings(args, ceilings)
     if args.bf16:
         bench_bf16(args)
+    elif args.twice:
+        bench_twice(args)
     else:
         bench_speed(args, ceilings)
 

@@ -103,6 +103,7 @@ def calc_loss_dqn(batch, net, tgt_net, gamma, device):
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
+    runs.set_torch_threads(args)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)

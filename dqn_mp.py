@@ -128,6 +128,7 @@ if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
     args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
+    runs.set_torch_threads(args)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)

@@ -140,6 +140,27 @@ def bf16_native(cuda):
     return any(capabilities.get(name, False) for name in ("avx512_bf16", "amx_bf16", "bf16"))
 
 
+def set_torch_threads(args):
+    """Torch's threads in this process, unless OMP_NUM_THREADS chose them: one for CartPole's small
+    layers, which more threads do not speed up; for Pong's convolutions, the cores this process may
+    use. Threads that outnumber the free cores wait on each other: a busy CPU is told in a line."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    if common.atari_game(args.env) is None:
+        torch.set_num_threads(1)
+        return
+    cores = common.cores_per_process(1)
+    torch.set_num_threads(min(torch.get_num_threads(), cores))  # torch counts cores, not CPUs
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # Windows has none
+    if not args.cuda and load > cores - torch.get_num_threads() + 0.5:
+        warn(
+            args,
+            f"the CPU is busy (load average {load:.1f} on {cores} cores): this run's "
+            f"{torch.get_num_threads()} threads may wait on other work's many times over; beside "
+            "another training run, give each OMP_NUM_THREADS=1 (README, What a run needs)",
+        )
+
+
 def request_stop(signum, frame):
     global stop_signal
     stop_signal = stop_signal or signum  # the first signal; the loop takes it at its next question

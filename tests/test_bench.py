@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
@@ -491,6 +493,22 @@ def test_bench_bf16_tables_each_script_in_both_precisions_and_their_ratio(tmp_pa
     fp32, bf16 = runs["dqn_fast"]["train_fps"], runs["dqn_fast --bf16"]["train_fps"]
     assert table(out)["dqn_fast"][:3] == [f"{fp32:.0f}", f"{bf16:.0f}", f"{bf16 / fp32:.2f}x"]
     assert "Ceilings with bf16: DQN net " in out
+
+
+def test_bench_twice_runs_two_copies_at_once_and_tables_each_against_one_alone(monkeypatch, capsys):
+    started, ended = [], []
+
+    def fake_run(script, args, warmup):
+        started.append(time.monotonic())
+        time.sleep(0.3)
+        ended.append(time.monotonic())
+        return {"script": script, "train_fps": 100.0 if len(started) == 1 else 45.0}
+
+    monkeypatch.setattr(bench, "run_script", fake_run)
+    bench.bench_twice(types.SimpleNamespace(scripts=["dqn_fast"], env="cartpole"))
+    # The copies start before either ends, after the one alone.
+    assert ended[0] <= min(started[1:]) and max(started[1:]) < min(ended[1:])
+    assert "| dqn_fast | 100 | 45, 45 | 0.45x, 0.45x |" in capsys.readouterr().out
 
 
 @slow

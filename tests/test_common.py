@@ -633,6 +633,52 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
     ]
 
 
+@pytest.fixture
+def threads_unchosen(monkeypatch):
+    """OMP_NUM_THREADS unset, as in a user's shell, on a 2-core CPU whose load average a test sets
+    (load.value); torch's threads given back after the test."""
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(common, "cores_per_process", lambda processes: 2 // processes)
+    load = types.SimpleNamespace(value=0.0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load.value, 0.0, 0.0))
+    yield load
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "env, torch_threads, threads", [("cartpole", 4, 1), ("pong", 4, 2), ("pong", 1, 1)]
+)
+def test_cartpole_trains_on_one_thread_pong_on_the_cores_it_may_use_or_torchs_fewer(
+    env, torch_threads, threads, threads_unchosen, capsys
+):
+    torch.set_num_threads(torch_threads)  # as torch counts a machine's cores
+    runs.set_torch_threads(types.SimpleNamespace(script="dqn_fast", env=env, cuda=False))
+    assert torch.get_num_threads() == threads
+    assert capsys.readouterr().err == ""  # the CPU is idle
+
+
+def test_a_busy_cpu_is_told_in_one_line_and_omp_num_threads_is_left_to_decide(
+    threads_unchosen, monkeypatch, capsys
+):
+    args = types.SimpleNamespace(script="dqn_fast", env="pong", cuda=False)
+    torch.set_num_threads(2)
+    threads_unchosen.value = 0.5  # up to half a core's work beside 2 threads on 2 cores is not told
+    runs.set_torch_threads(args)
+    assert capsys.readouterr().err == ""
+    threads_unchosen.value = 1.94
+    runs.set_torch_threads(args)
+    assert our_lines(capsys.readouterr().err) == [
+        "dqn_fast.py: warning: the CPU is busy (load average 1.9 on 2 cores): this run's 2 threads "
+        "may wait on other work's many times over; beside another training run, give each "
+        "OMP_NUM_THREADS=1 (README, What a run needs)"
+    ]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(3)
+    runs.set_torch_threads(args)
+    assert torch.get_num_threads() == 3 and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("text, minutes", [("0", 0.0), ("0.5", 0.5), ("10", 10.0), ("1e3", 1000.0)])
 def test_checkpoint_minutes_takes_any_number_of_minutes(text, minutes):
     assert (

@@ -205,6 +205,21 @@ def test_bad_counts_end_with_one_line_and_exit_code_2(script, option, in_process
     assert line.startswith(f"{script}.py: error:") and "positive integer" in line and out == ""
 
 
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_each_dqn_script_gives_torch_its_threads_before_it_makes_its_env(
+    script, in_process, monkeypatch
+):
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(AssertionError, match="past its checks"):
+            in_process(script, "--env", "cartpole")
+        assert torch.get_num_threads() == 1  # CartPole's
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a3c_dist_without_torchrun_says_how_to_start_it(in_process, capsys):
     assert in_process("a3c_dist") == 2
     out, err = capsys.readouterr()
