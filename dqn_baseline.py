@@ -141,6 +141,7 @@ if __name__ == "__main__":
                 buffer.append(exp)
             agent.epsilon = epsilon_by_frame(params, exp_source.frames)
             tracker.update(exp_source.frames, exp_source.pop_episodes())
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break

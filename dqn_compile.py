@@ -355,6 +355,7 @@ if __name__ == "__main__":
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
             tracker.update(exp_source.frames, exp_source.pop_episodes())
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break

@@ -173,6 +173,7 @@ if __name__ == "__main__":
             for exp in exps:
                 buffer.append(exp)
             tracker.update(frames, episodes)
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break

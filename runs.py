@@ -143,22 +143,22 @@ def bf16_native(cuda):
 def set_torch_threads(args):
     """Torch's threads in this process, unless OMP_NUM_THREADS chose them: one for CartPole's small
     layers, which more threads do not speed up; for Pong's convolutions, the cores this process may
-    use. Threads that outnumber the free cores wait on each other: a busy CPU is told in a line."""
+    use (Run.share_busy_cores gives up all but one while another process shares them)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     if common.atari_game(args.env) is None:
         torch.set_num_threads(1)
-        return
-    cores = common.cores_per_process(1)
-    torch.set_num_threads(min(torch.get_num_threads(), cores))  # torch counts cores, not CPUs
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # Windows has none
-    if not args.cuda and load > cores - torch.get_num_threads() + 0.5:
-        warn(
-            args,
-            f"the CPU is busy (load average {load:.1f} on {cores} cores): this run's "
-            f"{torch.get_num_threads()} threads may wait on other work's many times over; beside "
-            "another training run, give each OMP_NUM_THREADS=1 (README, What a run needs)",
-        )
+    else:  # torch counts cores, not the CPUs this process may use
+        torch.set_num_threads(min(torch.get_num_threads(), common.cores_per_process(1)))
+
+
+def core_wait():
+    """Seconds this process's main thread has waited for a core (Linux's schedstat; elsewhere 0)."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 
 
 def request_stop(signum, frame):
@@ -308,7 +308,27 @@ class Run:
             sys.exit(2)
         self.tracker.writer, self.tracker.clock = writer, time.perf_counter()
         self.tracker.last_print = (self.tracker.frames, self.tracker.clock)
+        self.waited = (self.tracker.clock, core_wait())
         return self
+
+    def share_busy_cores(self):
+        """Every 10 s: where the main thread waited for a core a quarter of that time, another
+        process shares the cores, and torch's threads would wait on each other's many times over:
+        the run goes on with one, unless OMP_NUM_THREADS chose them."""
+        now, waited = time.perf_counter(), core_wait()
+        if now - self.waited[0] < 10:
+            return
+        share = (waited - self.waited[1]) / (now - self.waited[0])
+        self.waited = (now, waited)
+        threads = torch.get_num_threads()
+        if share >= 0.25 and threads > 1 and "OMP_NUM_THREADS" not in os.environ:
+            warn(
+                self.args,
+                f"another process shares these cores (the main thread waited for one {share:.0%} "
+                f"of the last 10 s): torch goes on with 1 thread, not {threads}; a --resume on "
+                "a free CPU takes them again",
+            )
+            torch.set_num_threads(1)
 
     def save_checkpoint_if_due(self):
         """Every --checkpoint-minutes of run time, until a signal asks the run to stop."""

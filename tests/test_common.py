@@ -635,14 +635,12 @@ def test_bf16_on_a_gpu_that_emulates_it_says_so_in_one_line(monkeypatch, capsys)
 
 @pytest.fixture
 def threads_unchosen(monkeypatch):
-    """OMP_NUM_THREADS unset, as in a user's shell, on a 2-core CPU whose load average a test sets
-    (load.value); torch's threads given back after the test."""
+    """OMP_NUM_THREADS unset, as in a user's shell, on a 2-core CPU; torch's threads given back
+    after the test."""
     threads = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(common, "cores_per_process", lambda processes: 2 // processes)
-    load = types.SimpleNamespace(value=0.0)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load.value, 0.0, 0.0))
-    yield load
+    yield
     torch.set_num_threads(threads)
 
 
@@ -650,33 +648,53 @@ def threads_unchosen(monkeypatch):
     "env, torch_threads, threads", [("cartpole", 4, 1), ("pong", 4, 2), ("pong", 1, 1)]
 )
 def test_cartpole_trains_on_one_thread_pong_on_the_cores_it_may_use_or_torchs_fewer(
-    env, torch_threads, threads, threads_unchosen, capsys
+    env, torch_threads, threads, threads_unchosen, monkeypatch
 ):
     torch.set_num_threads(torch_threads)  # as torch counts a machine's cores
-    runs.set_torch_threads(types.SimpleNamespace(script="dqn_fast", env=env, cuda=False))
+    runs.set_torch_threads(types.SimpleNamespace(env=env))
     assert torch.get_num_threads() == threads
-    assert capsys.readouterr().err == ""  # the CPU is idle
-
-
-def test_a_busy_cpu_is_told_in_one_line_and_omp_num_threads_is_left_to_decide(
-    threads_unchosen, monkeypatch, capsys
-):
-    args = types.SimpleNamespace(script="dqn_fast", env="pong", cuda=False)
-    torch.set_num_threads(2)
-    threads_unchosen.value = 0.5  # up to half a core's work beside 2 threads on 2 cores is not told
-    runs.set_torch_threads(args)
-    assert capsys.readouterr().err == ""
-    threads_unchosen.value = 1.94
-    runs.set_torch_threads(args)
-    assert our_lines(capsys.readouterr().err) == [
-        "dqn_fast.py: warning: the CPU is busy (load average 1.9 on 2 cores): this run's 2 threads "
-        "may wait on other work's many times over; beside another training run, give each "
-        "OMP_NUM_THREADS=1 (README, What a run needs)"
-    ]
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
     torch.set_num_threads(3)
-    runs.set_torch_threads(args)
-    assert torch.get_num_threads() == 3 and capsys.readouterr().err == ""
+    runs.set_torch_threads(types.SimpleNamespace(env=env))
+    assert torch.get_num_threads() == 3
+
+
+def test_a_run_whose_main_thread_waits_for_a_core_goes_on_with_one_thread_and_says_so_once(
+    threads_unchosen, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    clock = types.SimpleNamespace(seconds=100.0, waited=3.0)  # the wall clock, the core wait
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.seconds)
+    monkeypatch.setattr(runs, "core_wait", lambda: clock.waited)
+    torch.set_num_threads(2)
+    with a_run(fake_args()) as (tracker, run):
+        for seconds, waited in [(9.0, 2.0), (1.0, 0.4), (10.0, 2.5), (10.0, 10.0)]:
+            clock.seconds += seconds
+            clock.waited += waited
+            run.share_busy_cores()
+            # Before 10 s had passed, and at 2.4 s of 10 waited: two threads still.
+            assert torch.get_num_threads() == (2 if clock.seconds < 120 else 1)
+    # A quarter (25%) gave up the second thread; then no more lines with one thread.
+    assert our_lines(capsys.readouterr().err) == [
+        "test.py: warning: another process shares these cores (the main thread waited for one "
+        "25% of the last 10 s): torch goes on with 1 thread, not 2; a --resume on a free CPU "
+        "takes them again"
+    ]
+
+
+def test_a_user_who_chose_the_threads_keeps_them_on_a_shared_cpu(
+    threads_unchosen, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    clock = types.SimpleNamespace(seconds=100.0, waited=0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.seconds)
+    monkeypatch.setattr(runs, "core_wait", lambda: clock.waited)
+    torch.set_num_threads(2)
+    with a_run(fake_args()) as (tracker, run):
+        clock.seconds, clock.waited = 110.0, 5.0
+        run.share_busy_cores()
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("text, minutes", [("0", 0.0), ("0.5", 0.5), ("10", 10.0), ("1e3", 1000.0)])

@@ -1,9 +1,10 @@
 """What each script's loop does with its own counters, in seconds, in this process where it can: the
 target net syncs at whole-run training steps across a resume, every DQN script acts at the epsilon
-of the frames played (a resumed segment's first step too) and logs the chapter's metrics and its
-network's health (telling once of a dead layer), a resumed A3C run counts its frames on from the
-checkpoint's, a resumed run neither holds nor maps its checkpoint file, and a periodic checkpoint
-that cannot be written costs one line."""
+of the frames played (a resumed segment's first step too), logs the chapter's metrics and its
+network's health (telling once of a dead layer) and gives up torch's threads but one while another
+process shares the cores, a resumed A3C run counts its frames on from the checkpoint's, a resumed
+run neither holds nor maps its checkpoint file, and a periodic checkpoint that cannot be written
+costs one line."""
 
 import errno
 import itertools
@@ -228,6 +229,22 @@ def test_a_dqn_whose_first_layer_fires_on_no_state_says_so_once(
     scalars.Reload()
     assert {event.value for event in scalars.Scalars("health/relu1/active")} == {0.0}
     assert scalars.Scalars("health/relu1/dead_units")[-1].value == 1.0
+
+
+# ---------------------------------------------------------------- torch's threads
+@pytest.mark.parametrize("script", DQN_SCRIPTS)
+def test_a_dqn_loop_whose_main_thread_waits_for_a_core_goes_on_with_one_thread(
+    script, in_tmp, run_main, monkeypatch, capsys
+):
+    clock, seconds = time.perf_counter, itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + next(seconds))  # a second a reading
+    monkeypatch.setattr(runs, "core_wait", time.perf_counter)  # waiting all the time
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(runs, "set_torch_threads", lambda args: torch.set_num_threads(2))  # Pong's
+    assert run_main(script, "--env", "cartpole", "--max-frames", "1100") == 0
+    assert torch.get_num_threads() == 1
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line.startswith(f"{script}.py: warning: another process shares these cores")
 
 
 # ---------------------------------------------------------------- A3C's gradient clip
