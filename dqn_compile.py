@@ -355,7 +355,6 @@ if __name__ == "__main__":
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
             tracker.update(exp_source.frames, exp_source.pop_episodes())
-            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
@@ -364,6 +363,7 @@ if __name__ == "__main__":
             loss = step()
             train_steps += 1
             tracker.record_step(loss=loss, epsilon=epsilon)
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
                 tracker.record_health(health.measure())  # a forward pass of 256 states

@@ -146,7 +146,6 @@ if __name__ == "__main__":
                 buffer.append(exp)
             agent.epsilon = epsilon_by_frame(params, exp_source.frames)
             tracker.update(exp_source.frames, exp_source.pop_episodes())
-            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
@@ -160,6 +159,7 @@ if __name__ == "__main__":
             optimizer.step()
             train_steps += 1
             tracker.record_step(loss=loss, epsilon=agent.epsilon)
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
                 tracker.record_health(health.measure())  # a forward pass of 256 states

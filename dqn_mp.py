@@ -173,7 +173,6 @@ if __name__ == "__main__":
             for exp in exps:
                 buffer.append(exp)
             tracker.update(frames, episodes)
-            run.share_busy_cores()  # one torch thread while another process shares the cores
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
@@ -188,6 +187,7 @@ if __name__ == "__main__":
             train_steps += 1
             # This epsilon is only logged; the play process sets its own.
             tracker.record_step(loss=loss, epsilon=epsilon_by_frame(params, frames))
+            run.share_busy_cores()  # one torch thread while another process shares the cores
             if train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
                 tracker.record_health(health.measure())  # a forward pass of 256 states

@@ -308,17 +308,19 @@ class Run:
             sys.exit(2)
         self.tracker.writer, self.tracker.clock = writer, time.perf_counter()
         self.tracker.last_print = (self.tracker.frames, self.tracker.clock)
-        self.waited = (self.tracker.clock, core_wait())
+        self.waited = None  # (wall time, core wait) at the last reading, from the first step on
         return self
 
     def share_busy_cores(self):
-        """Every 10 s: where the main thread waited for a core a quarter of that time, another
-        process shares the cores, and torch's threads would wait on each other's many times over:
-        the run goes on with one, unless OMP_NUM_THREADS chose them."""
+        """Called after each training step: every 10 s from the first, where the main thread
+        waited for a core a quarter of that time, another process shares the cores, and torch's
+        threads would wait on each other's many times over: the run goes on with one, unless
+        OMP_NUM_THREADS chose them. Readings start at the first step: before it, the run's own
+        emulator threads and compiler take the cores too."""
         now, waited = time.perf_counter(), core_wait()
-        if now - self.waited[0] < 10:
+        if self.waited and now - self.waited[0] < 10:
             return
-        share = (waited - self.waited[1]) / (now - self.waited[0])
+        share = (waited - self.waited[1]) / (now - self.waited[0]) if self.waited else 0.0
         self.waited = (now, waited)
         threads = torch.get_num_threads()
         if share >= 0.25 and threads > 1 and "OMP_NUM_THREADS" not in os.environ:
