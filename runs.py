@@ -317,9 +317,10 @@ class Run:
         threads would wait on each other's many times over: the run goes on with one, unless
         OMP_NUM_THREADS chose them. Readings start at the first step: before it, the run's own
         emulator threads and compiler take the cores too."""
-        now, waited = time.perf_counter(), core_wait()
+        now = time.perf_counter()
         if self.waited and now - self.waited[0] < 10:
             return
+        waited = core_wait()
         share = (waited - self.waited[1]) / (now - self.waited[0]) if self.waited else 0.0
         self.waited = (now, waited)
         threads = torch.get_num_threads()
