@@ -152,13 +152,15 @@ def set_torch_threads(args):
         torch.set_num_threads(min(torch.get_num_threads(), common.cores_per_process(1)))
 
 
-def core_wait():
-    """Seconds this process's main thread has waited for a core (Linux's schedstat; elsewhere 0)."""
+def core_times():
+    """Seconds this process's main thread has run on a core and waited for one (Linux's schedstat;
+    elsewhere none)."""
     try:
         with open("/proc/self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
+            ran, waited = f.read().split()[:2]
     except OSError:
-        return 0.0
+        return 0.0, 0.0
+    return int(ran) / 1e9, int(waited) / 1e9
 
 
 def request_stop(signum, frame):
@@ -308,28 +310,33 @@ class Run:
             sys.exit(2)
         self.tracker.writer, self.tracker.clock = writer, time.perf_counter()
         self.tracker.last_print = (self.tracker.frames, self.tracker.clock)
-        self.waited = None  # (wall time, core wait) at the last reading, from the first step on
+        self.last_reading = (self.tracker.clock, None)  # (wall time, core_times()); none yet
         return self
 
     def share_busy_cores(self):
-        """Called after each training step: every 10 s from the first, where the main thread
-        waited for a core a quarter of that time, another process shares the cores, and torch's
-        threads would wait on each other's many times over: the run goes on with one, unless
-        OMP_NUM_THREADS chose them. Readings start at the first step: before it, the run's own
-        emulator threads and compiler take the cores too."""
-        now = time.perf_counter()
-        if self.waited and now - self.waited[0] < 10:
+        """Called after each training step: every 10 s, where the main thread waited for a core over
+        a quarter of the time it wanted one, another process shares the cores, and torch's threads
+        would wait on each other's many times over: the run goes on with one thread for the rest of
+        its segment, unless OMP_NUM_THREADS chose them or the network is on a GPU. The readings
+        start 10 s into the loop and at a training step, after the run's own emulator threads have
+        started and its compiler has compiled."""
+        if self.args.cuda or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1:
             return
-        waited = core_wait()
-        share = (waited - self.waited[1]) / (now - self.waited[0]) if self.waited else 0.0
-        self.waited = (now, waited)
-        threads = torch.get_num_threads()
-        if share >= 0.25 and threads > 1 and "OMP_NUM_THREADS" not in os.environ:
+        now, (last_time, last_cores) = time.perf_counter(), self.last_reading
+        if now - last_time < 10:
+            return
+        cores = core_times()
+        self.last_reading = (now, cores)
+        if last_cores is None:
+            return
+        ran, waited = cores[0] - last_cores[0], cores[1] - last_cores[1]
+        if waited > (ran + waited) / 4:
+            share = waited / (ran + waited)
             warn(
                 self.args,
                 f"another process shares these cores (the main thread waited for one {share:.0%} "
-                f"of the last 10 s): torch goes on with 1 thread, not {threads}; a --resume on "
-                "a free CPU takes them again",
+                f"of the time it wanted one over {now - last_time:.0f} s): torch goes on with 1 "
+                f"thread, not {torch.get_num_threads()}; a --resume on a free CPU takes them again",
             )
             torch.set_num_threads(1)
 

@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import copy
+import io
 import itertools
 import json
 import os
@@ -648,56 +649,86 @@ def threads_unchosen(monkeypatch):
     "env, torch_threads, threads", [("cartpole", 4, 1), ("pong", 4, 2), ("pong", 1, 1)]
 )
 def test_cartpole_trains_on_one_thread_pong_on_the_cores_it_may_use_or_torchs_fewer(
-    env, torch_threads, threads, threads_unchosen, monkeypatch
+    env, torch_threads, threads, threads_unchosen
 ):
     torch.set_num_threads(torch_threads)  # as torch counts a machine's cores
     runs.set_torch_threads(types.SimpleNamespace(env=env))
     assert torch.get_num_threads() == threads
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-    torch.set_num_threads(3)
-    runs.set_torch_threads(types.SimpleNamespace(env=env))
-    assert torch.get_num_threads() == 3
+
+
+@pytest.fixture
+def core_clock(monkeypatch):
+    """The wall clock and the main thread's core times (run, waited) as a test sets them."""
+    clock = types.SimpleNamespace(seconds=100.0, ran=0.0, waited=0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.seconds)
+    monkeypatch.setattr(runs, "core_times", lambda: (clock.ran, clock.waited))
+    return clock
 
 
 def test_a_run_whose_main_thread_waits_for_a_core_goes_on_with_one_thread_and_says_so_once(
-    threads_unchosen, tmp_path, monkeypatch, capsys
+    threads_unchosen, core_clock, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    clock = types.SimpleNamespace(seconds=100.0, waited=0.0)  # the wall clock, the core wait
-    monkeypatch.setattr(time, "perf_counter", lambda: clock.seconds)
-    monkeypatch.setattr(runs, "core_wait", lambda: clock.waited)
     torch.set_num_threads(2)
-    with a_run(fake_args()) as (tracker, run):
-        clock.seconds, clock.waited = 130.0, 20.0  # a warm-up whose own threads took the cores
-        run.share_busy_cores()  # the first step's: a reading only
-        for seconds, waited in [(9.0, 2.0), (1.0, 0.4), (10.0, 2.5), (10.0, 10.0)]:
-            clock.seconds += seconds
-            clock.waited += waited
+    threads = []
+    with a_run(fake_args()) as (tracker, run):  # entered at 100 s
+        # 5 s and 12 s into the loop: too soon, then the first reading, whatever was waited.
+        # 9 s later: too soon; 10 s: 1.6 s waited of 6.6 wanted; 10 s: 2.1 of 8.1 (over a
+        # quarter); 10 s: one thread already.
+        for seconds, ran, waited in [
+            (5, 2, 3),
+            (7, 2, 3),
+            (9, 4, 1.5),
+            (1, 1, 0.1),
+            (10, 6, 2.1),
+            (10, 1, 9),
+        ]:
+            core_clock.seconds += seconds
+            core_clock.ran += ran
+            core_clock.waited += waited
             run.share_busy_cores()
-            # Before 10 s had passed, and at 2.4 s of 10 waited: two threads still.
-            assert torch.get_num_threads() == (2 if clock.seconds < 150 else 1)
-    # A quarter (25%) gave up the second thread; then no more lines with one thread.
+            threads.append(torch.get_num_threads())
+    assert threads == [2, 2, 2, 2, 1, 1]
     assert our_lines(capsys.readouterr().err) == [
-        "test.py: warning: another process shares these cores (the main thread waited for one "
-        "25% of the last 10 s): torch goes on with 1 thread, not 2; a --resume on a free CPU "
-        "takes them again"
+        "test.py: warning: another process shares these cores (the main thread waited for one 26% "
+        "of the time it wanted one over 10 s): torch goes on with 1 thread, not 2; a --resume on a "
+        "free CPU takes them again"
     ]
 
 
-def test_a_user_who_chose_the_threads_keeps_them_on_a_shared_cpu(
-    threads_unchosen, tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_user_who_chose_the_threads_keeps_them_and_a_gpu_run_its_own(
+    cuda, threads_unchosen, core_clock, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    clock = types.SimpleNamespace(seconds=100.0, waited=0.0)
-    monkeypatch.setattr(time, "perf_counter", lambda: clock.seconds)
-    monkeypatch.setattr(runs, "core_wait", lambda: clock.waited)
+    if not cuda:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
     torch.set_num_threads(2)
-    with a_run(fake_args()) as (tracker, run):
-        run.share_busy_cores()
-        clock.seconds, clock.waited = 110.0, 5.0
-        run.share_busy_cores()
+    runs.set_torch_threads(types.SimpleNamespace(env="cartpole"))
+    assert torch.get_num_threads() == (2 if not cuda else 1)
+    torch.set_num_threads(2)
+    args = fake_args()
+    args.cuda = cuda
+    with a_run(args) as (tracker, run):
+        for _ in range(3):
+            core_clock.seconds += 10
+            core_clock.ran += 1
+            core_clock.waited += 9
+            run.share_busy_cores()
     assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+
+
+def test_core_times_are_the_kernels_first_two_schedstat_counts_and_none_where_it_has_none(
+    monkeypatch,
+):
+    monkeypatch.setattr(runs, "open", lambda path: io.StringIO("3000000000 2500000000 7\n"), False)
+    assert runs.core_times() == (3.0, 2.5)
+
+    def absent(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(runs, "open", absent, False)
+    assert runs.core_times() == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("text, minutes", [("0", 0.0), ("0.5", 0.5), ("10", 10.0), ("1e3", 1000.0)])
