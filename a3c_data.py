@@ -156,8 +156,12 @@ def make_sample_slots(params, obs_space):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--processes", type=runs.positive_int, help="workers (default: 4)")
-    parser.add_argument("--envs", type=runs.positive_int, help="envs per worker (default: 8)")
+    parser.add_argument(
+        "--processes", type=runs.positive_int, help=f"workers (default: {PONG['processes']})"
+    )
+    parser.add_argument(
+        "--envs", type=runs.positive_int, help=f"envs per worker (default: {PONG['envs']})"
+    )
     args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)

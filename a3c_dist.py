@@ -245,7 +245,9 @@ def share_weights(net, optimizer):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--envs", type=runs.positive_int, help="envs per rank (default: 8)")
+    parser.add_argument(
+        "--envs", type=runs.positive_int, help=f"envs per rank (default: {PONG['envs']})"
+    )
     parser.parse_args()  # bad input ends every rank alike, before one waits for another
     if "RANK" not in os.environ:
         parser.error(

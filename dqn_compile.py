@@ -293,7 +293,9 @@ def set_capturable(optimizer, device):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
+    parser.add_argument(
+        "--envs", type=runs.positive_int, help=f"envs stepped as one (default: {PONG['envs']})"
+    )
     args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     runs.set_torch_threads(args)
     device = torch.device("cuda" if args.cuda else "cpu")

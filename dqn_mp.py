@@ -126,7 +126,9 @@ def play_func(params, args, weights, frames, *, send):
 
 if __name__ == "__main__":
     parser = runs.argument_parser(__doc__)
-    parser.add_argument("--envs", type=runs.positive_int, help="envs stepped as one (default: 3)")
+    parser.add_argument(
+        "--envs", type=runs.positive_int, help=f"envs stepped as one (default: {PONG['envs']})"
+    )
     args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     runs.set_torch_threads(args)
     device = torch.device("cuda" if args.cuda else "cpu")

@@ -245,6 +245,26 @@ def test_help_says_what_the_script_does_in_its_first_paragraph(script, in_proces
 
 
 @pytest.mark.parametrize(
+    "script, table_line, shown",
+    [
+        ("dqn_fast", "    envs=3,", "envs stepped as one (default: 5)"),
+        ("a3c_grad", "    processes=4,", "workers (default: 5)"),
+    ],
+)
+def test_help_shows_the_defaults_of_the_hyperparameter_table_as_edited(
+    script, table_line, shown, tmp_path, monkeypatch, capsys
+):
+    source = open(os.path.join(REPO, f"{script}.py")).read()
+    assert source.count(table_line) == 1
+    edited = tmp_path / f"{script}.py"  # a learner's copy, with 5 in the table
+    edited.write_text(source.replace(table_line, table_line.replace("3", "5").replace("4", "5")))
+    monkeypatch.setattr(sys, "argv", [str(edited), "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(edited), run_name="__main__")
+    assert shown in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
     "script, args",
     slow_but(
         ("dqn_fast", ["--env", "mars"]),
