@@ -479,6 +479,8 @@ def run_script(script, args, warmup, bf16=False):
             fail(f"{script} exited with code {proc.returncode}" + (f": {said[-1]}" if said else ""))
         summary = json.loads(lines[-1])
         summary["train_fps"] = train_fps(folder)
+        # A line such as a run's word that it gave up threads tells what the figure measured.
+        summary["warnings"] = [line for line in said if ": warning: " in line]
     summary["peak_rss"] = peak
     return summary
 

@@ -463,8 +463,9 @@ def test_bench_measures_the_ceilings_and_each_script_and_tables_their_ratios(tmp
     assert set(rows) == set(runs) == {"dqn_baseline", "dqn_fast"}
     for script, (fps, ratio, fraction, rss) in rows.items():
         run = runs[script]
-        # The frames are CartPole's warm-up, then 300.
+        # The frames are CartPole's warm-up, then 300; the run said nothing to warn of.
         assert run["frames"] >= 1000 + 300 and fps == f"{run['train_fps']:.0f}"
+        assert run["warnings"] == []
         assert ratio == f"{run['train_fps'] / runs['dqn_baseline']['train_fps']:.2f}x"
         bound = min(["DQN net", "env, 3 envs"], key=ceilings.get)
         percent, which = fraction.split(" ", 1)
