@@ -322,14 +322,16 @@ class Run:
         started and its compiler has compiled."""
         if self.args.cuda or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1:
             return
-        now, (last_time, last_cores) = time.perf_counter(), self.last_reading
+        now = time.perf_counter()
+        last_time, last_cores = self.last_reading
         if now - last_time < 10:
             return
         cores = core_times()
         self.last_reading = (now, cores)
         if last_cores is None:
             return
-        ran, waited = cores[0] - last_cores[0], cores[1] - last_cores[1]
+        ran = cores[0] - last_cores[0]
+        waited = cores[1] - last_cores[1]
         if waited > (ran + waited) / 4:
             share = waited / (ran + waited)
             warn(
