@@ -170,14 +170,12 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=params.learning_rate, eps=params.adam_eps)
     graphed_net = torch.compile(net, backend="cudagraphs") if args.cuda else net  # as the workers'
     tracker = runs.RewardTracker(args, net, env)
-    frames = 0  # played in all, over the whole run
+    counts = runs.Counters(frames=0)  # played in all, over the whole run
+    # What a checkpoint holds, and --resume restores.
+    checkpoint_contents = dict(net=net, optimizer=optimizer, tracker=tracker, counts=counts)
 
-    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
-        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
-
-    if checkpoint:  # go on where the stopped run was: its states and counters
-        frames = checkpoint["frames"]
-        runs.restore(checkpoint, checkpoint_contents())
+    if checkpoint:  # go on where the stopped run was
+        runs.restore(args, checkpoint, checkpoint_contents)
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
@@ -191,12 +189,12 @@ if __name__ == "__main__":
     batch = []
 
     with (
-        runs.Run(args, tracker, checkpoint_contents) as run,
+        runs.Run(args, params, tracker, checkpoint_contents) as run,
         processes.ChildProcesses(data_func, workers) as messages,
     ):
         for worker_id, slot, actions, ref_vals, new_frames, episodes in messages:
-            frames += new_frames
-            tracker.update(frames, episodes)
+            counts.frames += new_frames
+            tracker.update(counts.frames, episodes)
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break

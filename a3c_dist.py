@@ -282,18 +282,16 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
     # Rank 0 records the run.
     tracker = runs.RewardTracker(args, net, env) if rank == 0 else SilentTracker()
-    frames = 0  # played in all, over the whole run
+    counts = runs.Counters(frames=0)  # played in all, over the whole run
+    # What a checkpoint holds, and --resume restores.
+    checkpoint_contents = dict(net=net, optimizer=optimizer, tracker=tracker, counts=counts)
 
-    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
-        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
-
-    if checkpoint:  # go on where the stopped run was: its states and counters
-        frames = checkpoint["frames"]
-        runs.restore(checkpoint, checkpoint_contents())
+    if checkpoint:  # go on where the stopped run was
+        runs.restore(args, checkpoint, checkpoint_contents)
     share_weights(net, optimizer)  # every rank starts from rank 0's
     episodes, stop = [], False
 
-    with runs.Run(args, tracker, checkpoint_contents) if rank == 0 else SilentRun() as run:
+    with runs.Run(args, params, tracker, checkpoint_contents) if rank == 0 else SilentRun() as run:
         for samples, stats, new_frames, new_episodes in gradients(
             params, args, env, net, rank, device
         ):
@@ -309,8 +307,8 @@ if __name__ == "__main__":
             # Rank 0 decided to stop a step ago: every rank stops here, at the same step.
             if stops[0]:
                 break
-            frames += sum(frames_list)
-            tracker.update(frames, sum(finished, []))
+            counts.frames += sum(frames_list)
+            tracker.update(counts.frames, sum(finished, []))
             run.save_checkpoint_if_due()
             stop = run.should_stop()
             mean_grads(net, grads, samples_list, device)

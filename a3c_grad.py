@@ -185,14 +185,12 @@ if __name__ == "__main__":
     lr = params.learning_rate * (params.processes * params.micro_batch / 128) ** 0.5
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
     tracker = runs.RewardTracker(args, net, env)
-    frames = 0  # played in all, over the whole run
+    counts = runs.Counters(frames=0)  # played in all, over the whole run
+    # What a checkpoint holds, and --resume restores.
+    checkpoint_contents = dict(net=net, optimizer=optimizer, tracker=tracker, counts=counts)
 
-    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
-        return dict(net=net, optimizer=optimizer, tracker=tracker, frames=frames)
-
-    if checkpoint:  # go on where the stopped run was: its states and counters
-        frames = checkpoint["frames"]
-        runs.restore(checkpoint, checkpoint_contents())
+    if checkpoint:  # go on where the stopped run was
+        runs.restore(args, checkpoint, checkpoint_contents)
     # the workers act with this net itself on the CPU, as the optimizer steps change it; on a GPU
     # with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
@@ -211,15 +209,15 @@ if __name__ == "__main__":
     filled_slots = {}  # worker id: (samples, loss stats) of the gradient in its slot
 
     with (
-        runs.Run(args, tracker, checkpoint_contents) as run,
+        runs.Run(args, params, tracker, checkpoint_contents) as run,
         processes.ChildProcesses(grads_func, workers) as messages,
     ):
         for step_sender in step_senders:
             # Step 0 is the initial weights: every worker takes its first gradient at them.
             step_sender.send(None)
         for worker_id, samples, stats, new_frames, episodes in messages:
-            frames += new_frames
-            tracker.update(frames, episodes)
+            counts.frames += new_frames
+            tracker.update(counts.frames, episodes)
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break

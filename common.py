@@ -158,6 +158,12 @@ class ExperienceSourceFirstLast:
         finished, self.finished = self.finished, []
         return finished
 
+    def state_dict(self):
+        return {"frames": self.frames}  # a resumed run's frames go on counting
+
+    def load_state_dict(self, state):
+        self.frames = state["frames"]
+
 
 class ReplayBuffer:
     """Ring buffer of one-step transitions, sampled uniformly: append stores one, sample draws a

@@ -332,27 +332,25 @@ if __name__ == "__main__":
     )
     tracker = runs.RewardTracker(args, net, env)
     health = common.NetworkHealth(net, buffer)  # are the ReLUs still firing
-    train_steps = 0  # over the whole run: the target net syncs every target_sync of them
+    # Over the whole run: the target net syncs every target_sync training steps.
+    counts = runs.Counters(train_steps=0)
+    checkpoint_contents = dict(  # what a checkpoint holds, and --resume restores
+        net=net,
+        tgt_net=tgt_net,
+        optimizer=optimizer,
+        buffer=buffer,
+        exp_source=exp_source,  # its count of the frames played
+        tracker=tracker,
+        counts=counts,
+    )
 
-    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
-        return dict(
-            net=net,
-            tgt_net=tgt_net,
-            optimizer=optimizer,
-            buffer=buffer,
-            tracker=tracker,
-            train_steps=train_steps,
-        )
-
-    if checkpoint:  # go on where the stopped run was: its states and counters
-        train_steps = checkpoint["train_steps"]
-        runs.restore(checkpoint, checkpoint_contents())
-        exp_source.frames = tracker.frames  # the frames played go on counting
+    if checkpoint:  # go on where the stopped run was
+        runs.restore(args, checkpoint, checkpoint_contents)
         # The first step acts at the resumed run's epsilon.
         epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
     set_capturable(optimizer, device)  # after a restore, before the first compiled step
 
-    with runs.Run(args, tracker, checkpoint_contents) as run:
+    with runs.Run(args, params, tracker, checkpoint_contents) as run:
         for exps in exp_source:
             buffer.extend(exps)
             epsilon.fill_(epsilon_by_frame(params, exp_source.frames))
@@ -363,10 +361,10 @@ if __name__ == "__main__":
             if len(buffer) < params.replay_start:
                 continue
             loss = step()
-            train_steps += 1
+            counts.train_steps += 1
             tracker.record_step(loss=loss, epsilon=epsilon)
             run.share_busy_cores()  # one torch thread while another process shares the cores
-            if train_steps % params.target_sync == 0:
+            if counts.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
                 tracker.record_health(health.measure())  # a forward pass of 256 states
     sys.exit(run.exit_code)

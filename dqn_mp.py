@@ -141,40 +141,35 @@ if __name__ == "__main__":
     buffer = common.ReplayBuffer(params.replay_size, env.single_observation_space, seed=args.seed)
     tracker = runs.RewardTracker(args, net, env)
     health = common.NetworkHealth(net, buffer)  # are the ReLUs still firing
-    train_steps = 0  # over the whole run: the target net syncs every target_sync of them
-    # This is the play process's count, which each message brings: a resumed one goes on from there.
-    frames = 0
+    # Over the whole run: the play process's frames, which each message brings (a resumed run's play
+    # process goes on from them), and the training steps: the target net syncs every target_sync.
+    counts = runs.Counters(frames=0, train_steps=0)
+    checkpoint_contents = dict(  # what a checkpoint holds, and --resume restores
+        net=net,
+        tgt_net=tgt_net,
+        optimizer=optimizer,
+        buffer=buffer,
+        tracker=tracker,
+        counts=counts,
+    )
 
-    def checkpoint_contents():  # what a checkpoint holds, and --resume restores
-        return dict(
-            net=net,
-            tgt_net=tgt_net,
-            optimizer=optimizer,
-            buffer=buffer,
-            tracker=tracker,
-            frames=frames,
-            train_steps=train_steps,
-        )
-
-    if checkpoint:  # go on where the stopped run was: its states and counters
-        train_steps = checkpoint["train_steps"]
-        frames = checkpoint["frames"]
-        runs.restore(checkpoint, checkpoint_contents())
+    if checkpoint:  # go on where the stopped run was
+        runs.restore(args, checkpoint, checkpoint_contents)
     # the play process acts with this net itself on the CPU, as the optimizer steps change it; on a
     # GPU with copies that the main process publishes: no CUDA tensor crosses a process boundary
     weights = processes.SharedWeights(net) if args.cuda else net
     processes.share_memory(parser, weights, page_locked=args.cuda)  # before any child starts
     # The play process starts from a resumed run's frames, and so at its epsilon.
-    children = {"play process": (params, args, weights, frames)}
+    children = {"play process": (params, args, weights, counts.frames)}
 
     with (
-        runs.Run(args, tracker, checkpoint_contents) as run,
+        runs.Run(args, params, tracker, checkpoint_contents) as run,
         processes.ChildProcesses(play_func, children) as messages,
     ):
-        for exps, frames, episodes in messages:
+        for exps, counts.frames, episodes in messages:
             for exp in exps:
                 buffer.append(exp)
-            tracker.update(frames, episodes)
+            tracker.update(counts.frames, episodes)
             run.save_checkpoint_if_due()
             if run.should_stop():
                 break
@@ -186,11 +181,11 @@ if __name__ == "__main__":
             loss = calc_loss_dqn(batch, net, tgt_net, params.gamma, device)
             loss.backward()
             optimizer.step()
-            train_steps += 1
+            counts.train_steps += 1
             # This epsilon is only logged; the play process sets its own.
-            tracker.record_step(loss=loss, epsilon=epsilon_by_frame(params, frames))
+            tracker.record_step(loss=loss, epsilon=epsilon_by_frame(params, counts.frames))
             run.share_busy_cores()  # one torch thread while another process shares the cores
-            if train_steps % params.target_sync == 0:
+            if counts.train_steps % params.target_sync == 0:
                 tgt_net.load_state_dict(net.state_dict())
                 tracker.record_health(health.measure())  # a forward pass of 256 states
             if args.cuda:

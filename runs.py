@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 import common
 
 CHECKPOINT = "checkpoint.pt"  # the whole run, in its folder: what --resume goes on from
-CHECKPOINT_FORMAT = 6  # what a checkpoint holds and how; one of another format does not resume
+CHECKPOINT_FORMAT = 7  # what a checkpoint holds and how; one of another format does not resume
 # A resumed run's k-th segment seeds its envs and children with seed + k * SEGMENT_SEED.
 SEGMENT_SEED = 10_000
 LOG_EVERY = 100  # training steps between logged training scalars: reading a GPU tensor waits for it
@@ -65,6 +66,11 @@ def argument_parser(description):
     parser.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
     parser.add_argument("--bf16", action="store_true", help="the hidden layers in bfloat16")
     parser.add_argument("--resume", metavar="RUN_FOLDER", help="go on with the run in RUN_FOLDER")
+    parser.add_argument(
+        "--new-hyperparams",
+        action="store_true",
+        help="with --resume: the script's hyperparameters where they differ from the run's",
+    )
     minutes = bounded(float, 0, 10**6, "a number of minutes, 0 for none")
     parser.add_argument(
         "--checkpoint-minutes", type=minutes, default=10, help="between checkpoints (default: 10)"
@@ -81,7 +87,14 @@ def setup(parser, hyperparams):
     if checkpoint:
         # The run's options are the defaults, less those that each segment gives anew.
         run_options = dict(checkpoint["options"])
-        for name in ("resume", "cuda", "checkpoint_minutes", "segment", "folder"):
+        for name in (
+            "resume",
+            "cuda",
+            "checkpoint_minutes",
+            "new_hyperparams",
+            "segment",
+            "folder",
+        ):
             del run_options[name]
         parser.set_defaults(**run_options)
         args = parser.parse_args()
@@ -110,6 +123,18 @@ def setup(parser, hyperparams):
     for name, value in vars(args).items():
         if name in vars(params) and value is not None:
             setattr(params, name, value)
+    if checkpoint and not args.new_hyperparams:
+        run_params = checkpoint["hyperparams"]
+        changed = [
+            f"{name} {vars(params).get(name)} (the run's {run_params.get(name)})"
+            for name in run_params | vars(params)
+            if vars(params).get(name) != run_params.get(name)
+        ]
+        if changed:
+            parser.error(
+                f"--resume: the script's hyperparameters differ from the run's in {args.resume}: "
+                f"{', '.join(changed)}; --new-hyperparams goes on with the script's"
+            )
     return args, params, checkpoint
 
 
@@ -201,6 +226,21 @@ def quiet_event_writer(hook_args):
     writer_thread = type(hook_args.thread).__module__.startswith("tensorboard")
     if not (writer_thread and isinstance(hook_args.exc_value, OSError)):
         threading.__excepthook__(hook_args)
+
+
+class Counters(types.SimpleNamespace):
+    """A script's counts over the whole run, such as its training steps: in checkpoint_contents(),
+    they come back on --resume with the rest."""
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        if state.keys() != vars(self).keys():
+            raise ValueError(
+                f"counts {', '.join(state)}, where the script has {', '.join(vars(self))}"
+            )
+        vars(self).update(state)
 
 
 class RewardTracker:
@@ -296,8 +336,14 @@ class RewardTracker:
 class Run:
     """The with-block around a script's loop: due checkpoints, whether to stop, and the stop."""
 
-    def __init__(self, args, tracker, checkpoint_contents):
-        self.args, self.tracker, self.contents = args, tracker, checkpoint_contents
+    def __init__(self, args, params, tracker, checkpoint_contents):
+        self.args, self.params, self.tracker = args, params, tracker
+        self.contents = checkpoint_contents
+        for name, value in checkpoint_contents.items():
+            if not hasattr(value, "state_dict"):  # --resume could not give it back
+                raise TypeError(
+                    f"checkpoint_contents[{name!r}] has no state_dict: use runs.Counters"
+                )
         self.path = os.path.join(args.folder, CHECKPOINT)
         self.last_checkpoint = tracker.seconds
 
@@ -308,6 +354,11 @@ class Run:
         except OSError as failed:  # a file in its place, a read-only disk: the run stops here
             error(self.args, f"cannot write in {self.args.folder} ({failed.strerror})")
             sys.exit(2)
+        # The hyperparameters, as a table beside the curves (TensorBoard's Text tab).
+        rows = [f"|{name}|{value}|" for name, value in vars(self.params).items()]
+        writer.add_text(
+            "hyperparameters", "\n".join(["|name|value|", "|-|-|", *rows]), self.tracker.frames
+        )
         self.tracker.writer, self.tracker.clock = writer, time.perf_counter()
         self.tracker.last_print = (self.tracker.frames, self.tracker.clock)
         self.last_reading = (self.tracker.clock, None)  # (wall time, core_times()); none yet
@@ -354,7 +405,7 @@ class Run:
         return stop_signal is not None or self.tracker.solved or at_max
 
     def save_checkpoint(self):
-        """What checkpoint_contents() lists, and the options."""
+        """The states of what checkpoint_contents lists, the options and the hyperparameters."""
         started, self.last_checkpoint = time.perf_counter(), self.tracker.seconds
         run_seed = (self.args.seed - self.args.segment * SEGMENT_SEED) % 2**30  # not the segment's
         checkpoint = {
@@ -362,9 +413,10 @@ class Run:
             "script": self.args.script,
             "segments": self.args.segment + 1,
             "options": dict(vars(self.args), seed=run_seed),
+            "hyperparams": vars(self.params),
         }
-        for name, value in self.contents().items():
-            checkpoint[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        for name, value in self.contents.items():
+            checkpoint[name] = value.state_dict()
         self.tracker.writer.flush()  # the events logged so far reach the disk first
         save_whole(checkpoint, self.path)
         size, seconds = os.path.getsize(self.path) / 1e6, time.perf_counter() - started
@@ -395,12 +447,26 @@ class Run:
         return True
 
 
-def restore(checkpoint, contents):
-    """Load each object contents lists with its state in the checkpoint, then let the file go."""
+def restore(args, checkpoint, contents):
+    """Load each object that contents lists with its state in the checkpoint, then let the file go;
+    a state that is missing or does not fit ends the run with one line."""
     for name, value in contents.items():
-        # An optimizer keeps the tensors it is given: copies, not the file's.
+        if name not in checkpoint:
+            error(
+                args, f"--resume: the checkpoint holds no {name}: go on with the code that wrote it"
+            )
+            sys.exit(2)
+        state = checkpoint[name]
         if isinstance(value, torch.optim.Optimizer):
-            value.load_state_dict(copy.deepcopy(checkpoint[name]))
-        elif hasattr(value, "state_dict"):
-            value.load_state_dict(checkpoint[name])
+            # Copies, not the file's tensors, which an optimizer keeps; the script's settings (lr,
+            # eps), not the run's.
+            state = copy.deepcopy(state)
+            for group, settings in zip(state["param_groups"], value.param_groups):
+                group.update({key: settings[key] for key in settings if key != "params"})
+        try:
+            value.load_state_dict(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as failure:
+            reason = " ".join(str(failure).split())
+            error(args, f"--resume: the checkpoint's {name} does not fit this script's ({reason})")
+            sys.exit(2)
     checkpoint.clear()  # its last tensors: a mapped file cannot be replaced on Windows

@@ -142,10 +142,10 @@ def bf16_solve(tmp_path_factory):
 @pytest.fixture
 def run_main(monkeypatch):
     """Run a script's command line in this process, as `python script.py ARGS` would; returns its
-    exit code (0 when it returns without sys.exit)."""
+    exit code (0 when it returns without sys.exit). A script is named, or a path to a copy."""
 
     def run(script, *args):
-        path = os.path.join(REPO, f"{script}.py")
+        path = str(script) if str(script).endswith(".py") else os.path.join(REPO, f"{script}.py")
         monkeypatch.setattr(sys, "argv", [path, *args])
         if "runs" in sys.modules:  # a fresh process starts with no stop asked
             monkeypatch.setattr(sys.modules["runs"], "stop_signal", None)

@@ -768,7 +768,9 @@ def a_run(args, net=None):
     """A script's run in short: its tracker, the Run around its loop, net all a checkpoint holds."""
     net = net or nn.Linear(2, 1)
     tracker = runs.RewardTracker(args, net, fake_env())
-    with runs.Run(args, tracker, lambda: dict(net=net, tracker=tracker)) as run:
+    with runs.Run(
+        args, types.SimpleNamespace(gamma=0.99), tracker, dict(net=net, tracker=tracker)
+    ) as run:
         yield tracker, run
 
 

@@ -329,11 +329,11 @@ def test_a_resumed_a3c_run_counts_its_frames_on_from_the_checkpoints(script, in_
 
     assert run("--env", "cartpole", "--max-frames", "500") == 0
     folder = the_run(in_tmp)
-    stopped_at = torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"]
+    stopped_at = torch.load(folder / runs.CHECKPOINT, weights_only=True)["counts"]["frames"]
     assert run("--resume", str(folder), "--max-frames", "1000") == 0
     frames = episode_frames(folder)
     assert frames == sorted(frames) and frames[0] < stopped_at < frames[-1]
-    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["frames"] >= 1000
+    assert torch.load(folder / runs.CHECKPOINT, weights_only=True)["counts"]["frames"] >= 1000
 
 
 # ---------------------------------------------------------------- the checkpoint

@@ -28,6 +28,7 @@ from conftest import BUDGET, DEVICES, REPO, hook, hooked_env, our_lines
 
 SCRIPTS = ["dqn_baseline", "dqn_fast", "dqn_mp", "dqn_compile", "a3c_data", "a3c_grad"]
 SPACE = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+PARAMS = types.SimpleNamespace(gamma=0.99, learning_rate=0.1)  # a run's hyperparameters
 
 
 def fake_args(resume=None, segment=0):
@@ -117,9 +118,14 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_and_counters_and_l
     buffer.sample(4)  # the sampling generator has moved
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
     contents = dict(
-        net=net, tgt_net=tgt_net, optimizer=optimizer, buffer=buffer, tracker=tracker, train_steps=7
+        net=net,
+        tgt_net=tgt_net,
+        optimizer=optimizer,
+        buffer=buffer,
+        tracker=tracker,
+        counts=runs.Counters(train_steps=7),
     )
-    with runs.Run(fake_args(), tracker, lambda: contents):
+    with runs.Run(fake_args(), PARAMS, tracker, contents):
         tracker.update(600, [(-20.0, 900), (-19.0, 800)])
         for loss in (0.5, 0.25):
             tracker.record_step(loss=loss)
@@ -139,11 +145,10 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_and_counters_and_l
         optimizer=optimizer2,
         buffer=buffer2,
         tracker=tracker2,
-        train_steps=0,
+        counts=runs.Counters(train_steps=0),
     )
     checkpoint = checkpoint_in(tracker.args.folder)
-    train_steps = checkpoint["train_steps"]
-    runs.restore(checkpoint, contents2)
+    runs.restore(tracker2.args, checkpoint, contents2)
     assert checkpoint == {}  # its tensors, and with them the file's mapping, are let go
 
     for a, b in [(net, net2), (tgt_net, tgt_net2)]:
@@ -160,7 +165,7 @@ def test_restore_brings_back_weights_optimizer_buffer_tracker_and_counters_and_l
     assert np.array_equal(buffer.frames[buffer.index.rows], buffer2.frames[buffer2.index.rows])
     assert (tracker2.frames, tracker2.steps, tracker2.seconds) == (1234, 2, tracker.seconds)
     assert tracker2.rewards == [-20.0, -19.0, -18.0] and tracker2.losses == [0.5, 0.25]
-    assert train_steps == 7
+    assert contents2["counts"].train_steps == 7
     assert buffer2.rng.integers(0, 10**9, 3).tolist() == expected
 
 
@@ -173,7 +178,7 @@ def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_los
     monkeypatch.setattr(runs, "LOG_EVERY", 1)
     net = nn.Linear(4, 3)
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
-    with runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker)):
+    with runs.Run(fake_args(), PARAMS, tracker, dict(net=net, tracker=tracker)):
         tracker.update(100, [(10.0, 5)] * 100)
         for loss in (1.0, 3.0):
             tracker.record_step(loss=loss)
@@ -181,10 +186,10 @@ def test_a_resumed_tracker_keeps_its_best_mean_for_best_pt_and_its_window_of_los
     best = (tmp_path / folder / "best.pt").read_bytes()
     resumed = fake_args(resume=folder, segment=1)
     tracker = runs.RewardTracker(resumed, net, fake_env())
-    runs.restore(checkpoint_in(folder), dict(net=net, tracker=tracker))
+    runs.restore(resumed, checkpoint_in(folder), dict(net=net, tracker=tracker))
     with torch.no_grad():
         net.weight += 1  # a network best.pt must not take
-    with runs.Run(resumed, tracker, lambda: dict(net=net, tracker=tracker)):
+    with runs.Run(resumed, PARAMS, tracker, dict(net=net, tracker=tracker)):
         tracker.update(200, [(9.0, 5)])
         tracker.record_step(loss=5.0)
     assert (tmp_path / folder / "best.pt").read_bytes() == best
@@ -304,7 +309,7 @@ def test_a_sigterm_mid_step_stops_after_the_step_with_all_of_it_in_the_checkpoin
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
-    with runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker)) as run:
+    with runs.Run(fake_args(), PARAMS, tracker, dict(net=net, tracker=tracker)) as run:
         for frames in range(1, 100):
             tracker.update(frames, [])
             run.save_checkpoint_if_due()
@@ -331,7 +336,7 @@ def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_ch
     monkeypatch.chdir(tmp_path)
     net = nn.Linear(4, 3)
     tracker = runs.RewardTracker(fake_args(), net, fake_env())
-    run = runs.Run(fake_args(), tracker, lambda: dict(net=net, tracker=tracker))
+    run = runs.Run(fake_args(), PARAMS, tracker, dict(net=net, tracker=tracker))
     run.__enter__()
     for frames in (10, 20):
         tracker.update(frames, [(-21.0 + frames, 1)])
@@ -342,9 +347,9 @@ def test_a_resumed_segment_drops_the_events_that_a_killed_run_logged_past_its_ch
 
     folder = tracker.args.folder
     resumed = runs.RewardTracker(fake_args(resume=folder, segment=1), net, fake_env())
-    runs.restore(checkpoint_in(folder), dict(net=net, tracker=resumed))
+    runs.restore(resumed.args, checkpoint_in(folder), dict(net=net, tracker=resumed))
     with runs.Run(
-        fake_args(resume=folder, segment=1), resumed, lambda: dict(net=net, tracker=resumed)
+        fake_args(resume=folder, segment=1), PARAMS, resumed, dict(net=net, tracker=resumed)
     ):
         for frames in (24, 28):
             resumed.update(frames, [(-21.0 + frames, 1)])
@@ -369,7 +374,7 @@ def test_a_signalled_stop_whose_checkpoint_fails_says_so_and_exits_with_code_2(
     def full_disk(obj, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    with runs.Run(fake_args(), tracker, lambda: dict(tracker=tracker)) as run:
+    with runs.Run(fake_args(), PARAMS, tracker, dict(tracker=tracker)) as run:
         tracker.solved = solved
         os.kill(os.getpid(), signum)
         monkeypatch.setattr(runs, "save_whole", full_disk)
@@ -387,7 +392,7 @@ def test_no_periodic_checkpoint_is_written_once_a_signal_has_asked_the_run_to_st
     args = dict(vars(fake_args()), checkpoint_minutes=1e-6)  # due at every question
     tracker = runs.RewardTracker(types.SimpleNamespace(**args), nn.Linear(4, 3), fake_env())
     written = []
-    with runs.Run(types.SimpleNamespace(**args), tracker, lambda: dict(tracker=tracker)) as run:
+    with runs.Run(types.SimpleNamespace(**args), PARAMS, tracker, dict(tracker=tracker)) as run:
         monkeypatch.setattr(run, "save_checkpoint", lambda: written.append(tracker.frames))
         for frames in range(1, 6):
             time.sleep(0.001)
@@ -411,22 +416,33 @@ def run_script(script, *args, cwd, env=None, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    """The folder of a short dqn_baseline CartPole run, stopped at --max-frames with its checkpoint;
-    made in this process, whose signal handlers the run's end leaves as they were."""
-    cwd = tmp_path_factory.mktemp("stopped")
+def stop_short_run(cwd, script, *args):
+    """The folder of a short CartPole run of script in cwd, stopped at --max-frames with its
+    checkpoint; made in this process, whose signal handlers the run's end leaves as they were."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    script = os.path.join(REPO, "dqn_baseline.py")
+    path = os.path.join(REPO, f"{script}.py")
     with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_info:
         patch.chdir(cwd)
-        patch.setattr(sys, "argv", [script, "--env", "cartpole", "--max-frames", "300"])
-        runpy.run_path(script, run_name="__main__")
+        patch.setattr(sys, "argv", [path, "--env", "cartpole", *args])
+        runpy.run_path(path, run_name="__main__")
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
     assert exit_info.value.code == 0
     (folder,) = (cwd / "runs").iterdir()
     return folder
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A dqn_baseline CartPole run stopped at 300 frames."""
+    return stop_short_run(tmp_path_factory.mktemp("stopped"), "dqn_baseline", "--max-frames", "300")
+
+
+@pytest.fixture(scope="module")
+def stopped_a3c_run(tmp_path_factory):
+    """An a3c_grad CartPole run of one worker, stopped at 300 frames."""
+    cwd = tmp_path_factory.mktemp("stopped_a3c")
+    return stop_short_run(cwd, "a3c_grad", "--max-frames", "300", "--processes", "1", "--envs", "2")
 
 
 def listing(folder):
@@ -537,6 +553,148 @@ def test_a_second_resume_plays_with_the_runs_seed_offset_twice(
     assert options["segment"] == 2 and options["seed"] == 2 * runs.SEGMENT_SEED
 
 
+# ---------------------------------------------------------------- what a learner edits
+def learners_copy(tmp_path, script, old, new):
+    """A learner's copy of script, in tmp_path, with its one line old made new."""
+    source = open(os.path.join(REPO, f"{script}.py")).read()
+    assert source.count(old) == 1
+    path = tmp_path / f"{script}.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+def hyperparameter_tables(folder):
+    """(frames, rows) of each hyperparameter table in the run's events."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [
+        (event.step, event.tensor_proto.string_val[0].decode().splitlines())
+        for event in events.Tensors("hyperparameters/text_summary")
+    ]
+
+
+def test_a_run_writes_its_hyperparameters_in_its_events_and_its_checkpoint(stopped_run):
+    ((frames, rows),) = hyperparameter_tables(stopped_run)
+    assert frames == 0 and rows[:2] == ["|name|value|", "|-|-|"]
+    assert (
+        "|gamma|0.99|" in rows and "|learning_rate|0.001|" in rows and "|target_sync|200|" in rows
+    )
+    checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
+    assert checkpoint["hyperparams"] == dict(
+        runpy.run_path(os.path.join(REPO, "dqn_baseline.py"))["CARTPOLE"]
+    )
+
+
+@pytest.mark.parametrize(
+    "script, old, new, named",
+    [
+        (
+            "dqn_baseline",
+            "    target_sync=200,",
+            "    target_sync=300,",
+            "target_sync 300 (the run's 200)",
+        ),
+        (
+            "a3c_grad",
+            "    entropy_beta=0.01,",
+            "    entropy_beta=0.02,",
+            "entropy_beta 0.02 (the run's 0.01)",
+        ),
+    ],
+)
+def test_a_resume_after_a_hyperparameter_edit_stops_with_one_line_naming_it(
+    script, old, new, named, stopped_run, stopped_a3c_run, tmp_path, in_process, capsys
+):
+    folder = stopped_run if script == "dqn_baseline" else stopped_a3c_run
+    before = listing(folder)
+    assert in_process(learners_copy(tmp_path, script, old, new), "--resume", str(folder)) == 2
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line == (
+        f"{script}.py: error: --resume: the script's hyperparameters differ from the run's in "
+        f"{folder}: {named}; --new-hyperparams goes on with the script's"
+    )
+    assert listing(folder) == before
+
+
+def test_new_hyperparams_goes_on_with_the_scripts_values_adams_learning_rate_too(
+    stopped_run, tmp_path, run_main, stop_handler
+):
+    folder = tmp_path / "run"
+    shutil.copytree(stopped_run, folder)
+    edited = learners_copy(
+        tmp_path, "dqn_baseline", "    learning_rate=1e-3,", "    learning_rate=2e-3,"
+    )
+    assert (
+        run_main(edited, "--resume", str(folder), "--new-hyperparams", "--max-frames", "1100") == 0
+    )
+    checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
+    assert checkpoint["hyperparams"]["learning_rate"] == 2e-3
+    # Adam's state (its moments, after training steps) with the script's learning rate.
+    assert [group["lr"] for group in checkpoint["optimizer"]["param_groups"]] == [2e-3]
+    assert checkpoint["optimizer"]["state"] and checkpoint["counts"]["train_steps"] > 0
+    (first, first_rows), (second, second_rows) = hyperparameter_tables(folder)
+    assert (first, second) == (0, 300)
+    assert "|learning_rate|0.001|" in first_rows and "|learning_rate|0.002|" in second_rows
+
+
+def test_a_count_added_to_the_scripts_counters_resumes_with_no_other_line(
+    tmp_path, run_main, stop_handler, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    edited = learners_copy(
+        tmp_path,
+        "dqn_baseline",
+        "    counts = runs.Counters(train_steps=0)",
+        "    counts = runs.Counters(train_steps=0, loop_steps=0)",
+    )
+    loop = "        for exps in exp_source:\n"
+    edited.write_text(
+        edited.read_text().replace(loop, loop + "            counts.loop_steps += 1\n")
+    )
+    assert run_main(edited, "--env", "cartpole", "--max-frames", "300") == 0
+    (folder,) = (tmp_path / "runs").iterdir()
+    first = torch.load(folder / runs.CHECKPOINT, weights_only=True)["counts"]["loop_steps"]
+    assert run_main(edited, "--resume", str(folder), "--max-frames", "500") == 0
+    second = torch.load(folder / runs.CHECKPOINT, weights_only=True)["counts"]["loop_steps"]
+    # A step of the loop plays a frame, or only resets the env after an episode's end.
+    assert 300 <= first < 400 and second - first >= 200 and second >= 500
+
+
+@pytest.mark.parametrize("damage", ["no counts", "counts of other names", "a net of another shape"])
+def test_a_checkpoint_that_lacks_an_entry_or_holds_another_shape_stops_with_one_line(
+    damage, stopped_run, tmp_path, run_main, capsys
+):
+    checkpoint = torch.load(stopped_run / runs.CHECKPOINT, weights_only=True)
+    if damage == "no counts":  # as an edit of checkpoint_contents makes it
+        del checkpoint["counts"]
+        expected = "the checkpoint holds no counts: go on with the code that wrote it"
+    elif damage == "counts of other names":
+        checkpoint["counts"] = {"steps": 0}
+        expected = (
+            "the checkpoint's counts does not fit this script's "
+            "(counts steps, where the script has train_steps)"
+        )
+    else:
+        checkpoint["net"]["out.weight"] = torch.zeros(3, 128)
+        expected = (
+            "the checkpoint's net does not fit this script's (Error(s) in loading state_dict for "
+            "DQN: size mismatch for out.weight: copying a param with shape torch.Size([3, 128])"
+        )
+    torch.save(checkpoint, tmp_path / runs.CHECKPOINT)
+    before = listing(tmp_path)
+    assert run_main("dqn_baseline", "--resume", str(tmp_path)) == 2
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line.startswith(f"dqn_baseline.py: error: --resume: {expected}")
+    assert listing(tmp_path) == before
+
+
+def test_a_number_in_checkpoint_contents_is_refused_before_the_loop(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tracker = runs.RewardTracker(fake_args(), nn.Linear(4, 3), fake_env())
+    with pytest.raises(TypeError, match=r"\['train_steps'\] has no state_dict: use runs.Counters"):
+        runs.Run(fake_args(), PARAMS, tracker, dict(tracker=tracker, train_steps=0))
+
+
 # ---------------------------------------------------------------- a kill mid-write
 
 
@@ -640,8 +798,9 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
         and len(checkpoint["tracker"]["rewards"]) == stopped["episodes"]
     )
     assert checkpoint["tracker"]["seconds"] == pytest.approx(stopped["seconds"], abs=0.1)
-    # The count the script plays on from: its own (dqn_mp's, the A3C scripts') or the tracker's.
-    assert checkpoint.get("frames", stopped["frames"]) == stopped["frames"]
+    # The count the script plays on from: its own (dqn_mp's, the A3C scripts') or exp_source's.
+    frames = checkpoint["exp_source"] if "exp_source" in checkpoint else checkpoint["counts"]
+    assert frames["frames"] == stopped["frames"]
     before = scalars(folder)
 
     env = dict(
@@ -656,7 +815,13 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_solves(script, tm
     restored = torch.load(tmp_path / "restored.pt", weights_only=True)
     # weights, optimizer, buffer, experience source, the tracker's record, the script's counters
     assert_same({name: checkpoint[name] for name in restored}, restored, "restored")
-    assert set(checkpoint) - set(restored) == {"format", "script", "segments", "options"}
+    assert set(checkpoint) - set(restored) == {
+        "format",
+        "script",
+        "segments",
+        "options",
+        "hyperparams",
+    }
     result = json.loads(out.strip().splitlines()[-1])
     assert result["solved"] and result["mean_reward"] >= common.STOP_REWARDS["cartpole"], result
     assert result["frames"] > stopped["frames"] and result["episodes"] > stopped["episodes"]

@@ -831,7 +831,7 @@ def test_dqn_trains_32_samples_per_frame(script, envs, tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     result, steps = (
         summary(out),
-        torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["train_steps"],
+        torch.load(run_dir / runs.CHECKPOINT, weights_only=True)["counts"]["train_steps"],
     )
     samples = int((tmp_path / "samples").read_text())
     # Every training step's loss is on 32 * envs samples and comes with one step of all envs: envs

@@ -12,14 +12,8 @@ enter = runs.Run.__enter__
 
 
 def recording_enter(self):
-    contents = self.contents()
-    torch.save(
-        {
-            name: value.state_dict() if hasattr(value, "state_dict") else value
-            for name, value in contents.items()
-        },
-        os.environ["RL_TEST_RESTORED"],
-    )
+    states = {name: value.state_dict() for name, value in self.contents.items()}
+    torch.save(states, os.environ["RL_TEST_RESTORED"])
     return enter(self)
 
 
