@@ -6,7 +6,6 @@ optimizer step. How to start it on one machine or several, and what crosses: doc
 import datetime
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,6 @@ PONG = dict(
 CARTPOLE = dict(PONG, learning_rate=1e-3)
 HYPERPARAMS = {"pong": PONG, "cartpole": CARTPOLE}
 TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer for a rank ends the run
-MAX_EPISODES = 32  # finished episodes a rank reports per step; more wait for the next
 
 
 # ---------------------------------------------------------------- network, agent, loss
@@ -148,42 +146,23 @@ def mean_stats(stats_list, samples):
     }
 
 
-def exchange(grads, samples, stats, frames, episodes, stop):
-    """The sum of grads over every rank, and every rank's report of the rest in rank order: a
-    second, small all_reduce sums the reports, each in a row of its own, zeros in the others'. A
-    rank that is gone, or silent for TIMEOUT, ends the run."""
-    row = [samples, frames, stop, *stats.values(), *(x for episode in episodes for x in episode)]
-    rows = torch.zeros(dist.get_world_size(), 3 + len(stats) + 2 * MAX_EPISODES)
-    rows[dist.get_rank(), : len(row)] = torch.tensor(row)
+def exchange(grads, report):
+    """The sum of grads over every rank, in place, and every rank's report, in rank order. A rank
+    that is gone, or silent for TIMEOUT, ends the run."""
+    reports = [None] * dist.get_world_size()
     try:
         dist.all_reduce(grads)
-        dist.all_reduce(rows)
+        dist.all_gather_object(reports, report)
     except RuntimeError as error:
         # This is how gloo reports a lost rank: its first line says why, the rest is C++ frames.
-        raise runs.ProcessLost(f"lost a rank: {str(error).strip().splitlines()[0]}") from None
-    reports = []
-    for rank_samples, rank_frames, rank_stop, *rest in rows.tolist():
-        values, flat = rest[: len(stats)], rest[len(stats) :]
-        # A pair of 0 steps is the row's empty padding.
-        rank_episodes = [
-            (reward, int(steps)) for reward, steps in zip(flat[::2], flat[1::2]) if steps
-        ]
-        reports.append(
-            (
-                int(rank_samples),
-                dict(zip(stats, values)),
-                int(rank_frames),
-                rank_episodes,
-                bool(rank_stop),
-            )
-        )
-    return grads, reports
+        why = str(error).strip().splitlines()[0]
+        raise runs.ProcessLost(f"rank {dist.get_rank()} lost a rank: {why}") from None
+    return reports
 
 
 def rank0_options(parser, args, params):
-    """Rank 0's options and hyperparameters, on every rank: only rank 0 reads the command line over
-    a resumed run's checkpoint (other machines cannot see its folder), which must have as many
-    ranks."""
+    """Rank 0's options and hyperparameters on every rank (only rank 0 can see a resumed run's
+    folder), whose checkpoint must have as many ranks."""
     options = [args, params]
     dist.broadcast_object_list(options, src=0)
     args, params = options
@@ -194,39 +173,6 @@ def rank0_options(parser, args, params):
         )
     args.world_size = world_size
     return args, params
-
-
-class SilentTracker:
-    """RewardTracker's stand-in on a rank other than 0, which records nothing."""
-
-    def update(self, frames, episodes):
-        pass
-
-    def record_step(self, **scalars):
-        pass
-
-
-class SilentRun:
-    """runs.Run's stand-in on a rank other than 0: rank 0 checkpoints, decides the stop for every
-    rank and prints the summary; this rank ends with its own line and exit code."""
-
-    def __enter__(self):
-        return self
-
-    def save_checkpoint_if_due(self):
-        pass
-
-    def should_stop(self):
-        return False
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type not in (None, runs.ProcessLost):
-            return False  # a bug: its traceback
-        stop_signal = runs.stop_signal
-        self.exit_code = 128 + stop_signal if stop_signal else int(exc_type is runs.ProcessLost)
-        if self.exit_code == 1:  # a rank lost, not to a signal that asked the run to stop
-            print(f"a3c_dist.py: error: rank {dist.get_rank()} {exc}", file=sys.stderr)
-        return True
 
 
 def share_weights(net, optimizer):
@@ -254,7 +200,9 @@ if __name__ == "__main__":
             "start it with torchrun, e.g. torchrun --standalone --nproc-per-node 4 a3c_dist.py"
         )
     rank = int(os.environ["RANK"])  # numbers the ranks across machines
-    if rank == 0:  # rank 0 reads the options and a resumed run's checkpoint, and records the run
+    # Rank 0 reads the options and a resumed run's checkpoint, records the run and decides its stop.
+    master_process = rank == 0
+    if master_process:
         args, params, checkpoint = runs.setup(parser, HYPERPARAMS)
     else:  # a signal asks every rank to stop; rank 0 decides the step at which all do
         args = params = checkpoint = None
@@ -265,23 +213,18 @@ if __name__ == "__main__":
     args, params = rank0_options(parser, args, params)
     device = torch.device("cuda" if args.cuda else "cpu")
     torch.manual_seed(args.seed)
-    # LOCAL_RANK picks the GPU on this machine.
-    if args.cuda:
+    if args.cuda:  # LOCAL_RANK picks the GPU on this machine
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)  # where calls that take the current device land
     # The network runs on one thread; the envs step on the rank's share of the cores.
     torch.set_num_threads(1)
-    env = common.make_fast_env(
-        args.env,
-        params.envs,  # the ranks on this machine share its cores
-        threads=common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"])),
-    )
+    threads = common.cores_per_process(int(os.environ["LOCAL_WORLD_SIZE"]))
+    env = common.make_fast_env(args.env, params.envs, threads=threads)
     net = A2C(env.single_observation_space.shape, env.single_action_space.n, args.bf16).to(device)
     # The learning rate is scaled by the batch's square root.
     lr = params.learning_rate * (dist.get_world_size() * params.micro_batch / 128) ** 0.5
     optimizer = torch.optim.Adam(net.parameters(), lr=lr, eps=params.adam_eps)
-    # Rank 0 records the run.
-    tracker = runs.RewardTracker(args, net, env) if rank == 0 else SilentTracker()
+    tracker = runs.RewardTracker(args, net, env)
     counts = runs.Counters(frames=0)  # played in all, over the whole run
     # What a checkpoint holds, and --resume restores.
     checkpoint_contents = dict(net=net, optimizer=optimizer, tracker=tracker, counts=counts)
@@ -289,34 +232,30 @@ if __name__ == "__main__":
     if checkpoint:  # go on where the stopped run was
         runs.restore(args, checkpoint, checkpoint_contents)
     share_weights(net, optimizer)  # every rank starts from rank 0's
-    episodes, stop = [], False
+    stop = False
 
-    with runs.Run(args, params, tracker, checkpoint_contents) if rank == 0 else SilentRun() as run:
-        for samples, stats, new_frames, new_episodes in gradients(
-            params, args, env, net, rank, device
-        ):
-            episodes += new_episodes
+    with runs.Run(args, params, tracker, checkpoint_contents, records=master_process) as run:
+        for samples, stats, new_frames, episodes in gradients(params, args, env, net, rank, device):
             # Every rank sums every rank's gradient and applies the same step: the weights stay
             # equal. The gradient goes to the CPU, as gloo carries CPU tensors.
             grads = torch.cat([p.grad.flatten() for p in net.parameters()]).cpu() * samples
-            grads, reports = exchange(
-                grads, samples, stats, new_frames, episodes[:MAX_EPISODES], stop
-            )
-            del episodes[:MAX_EPISODES]
-            samples_list, stats_list, frames_list, finished, stops = zip(*reports)
+            reports = exchange(grads, (samples, stats, new_frames, episodes, stop))
+            samples_list, stats_list, frames_list, episodes_list, stops = zip(*reports)
             # Rank 0 decided to stop a step ago: every rank stops here, at the same step.
             if stops[0]:
                 break
             counts.frames += sum(frames_list)
-            tracker.update(counts.frames, sum(finished, []))
-            run.save_checkpoint_if_due()
-            stop = run.should_stop()
+            if master_process:
+                tracker.update(counts.frames, sum(episodes_list, []))
+                run.save_checkpoint_if_due()
+                stop = run.should_stop()
             mean_grads(net, grads, samples_list, device)
             stats = mean_stats(stats_list, samples_list)
             stats["grad_max"] = torch.stack([p.grad.abs().max() for p in net.parameters()]).max()
             stats["grad_l2"] = torch.nn.utils.clip_grad_norm_(net.parameters(), params.clip_grad)
             optimizer.step()
-            tracker.record_step(loss=stats["loss_total"], **stats)
+            if master_process:
+                tracker.record_step(loss=stats["loss_total"], **stats)
     dist.destroy_process_group()
     # os._exit, not sys.exit: gloo's threads may still be releasing the last collective's tensors,
     # which takes the GIL, and Python's finalization under them aborts the process (SIGABRT)

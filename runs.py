@@ -334,11 +334,12 @@ class RewardTracker:
 
 
 class Run:
-    """The with-block around a script's loop: due checkpoints, whether to stop, and the stop."""
+    """The with-block around a script's loop: due checkpoints, whether to stop, and the stop. A Run
+    that records nothing (under torchrun, a rank other than 0) only ends with its exit code."""
 
-    def __init__(self, args, params, tracker, checkpoint_contents):
+    def __init__(self, args, params, tracker, checkpoint_contents, records=True):
         self.args, self.params, self.tracker = args, params, tracker
-        self.contents = checkpoint_contents
+        self.contents, self.records = checkpoint_contents, records
         for name, value in checkpoint_contents.items():
             if not hasattr(value, "state_dict"):  # --resume could not give it back
                 raise TypeError(
@@ -348,6 +349,8 @@ class Run:
         self.last_checkpoint = tracker.seconds
 
     def __enter__(self):
+        if not self.records:
+            return self
         threading.excepthook = quiet_event_writer  # before TensorBoard's writer thread starts
         try:  # the run's first write; a resumed run's events past its checkpoint are dropped
             writer = SummaryWriter(self.args.folder, purge_step=self.tracker.frames + 1)
@@ -434,6 +437,8 @@ class Run:
                 raise exc
             if self.exit_code == 1:  # a process lost, not to a signal that asked the run to stop
                 error(self.args, exc)
+            if not self.records:
+                return True
             if self.args.checkpoint_minutes:
                 self.save_checkpoint()
             if self.tracker.best_mean is None:  # no full window yet: the latest model is the best

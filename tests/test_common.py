@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import a3c_dist
 import common
 import processes
 import runs
@@ -740,6 +739,9 @@ def test_checkpoint_minutes_takes_any_number_of_minutes(text, minutes):
 
 
 # ---------------------------------------------------------------- RewardTracker and Run
+PARAMS = types.SimpleNamespace(gamma=0.99)  # a run's hyperparameters
+
+
 def fake_args(max_frames=None, checkpoint_minutes=0):
     return types.SimpleNamespace(
         script="test",
@@ -768,9 +770,7 @@ def a_run(args, net=None):
     """A script's run in short: its tracker, the Run around its loop, net all a checkpoint holds."""
     net = net or nn.Linear(2, 1)
     tracker = runs.RewardTracker(args, net, fake_env())
-    with runs.Run(
-        args, types.SimpleNamespace(gamma=0.99), tracker, dict(net=net, tracker=tracker)
-    ) as run:
+    with runs.Run(args, PARAMS, tracker, dict(net=net, tracker=tracker)) as run:
         yield tracker, run
 
 
@@ -800,22 +800,22 @@ def test_a_stop_signal_is_taken_at_the_next_check_with_its_exit_code_and_a_check
     assert checkpoint["tracker"]["frames"] == 20 and checkpoint["tracker"]["rewards"] == [-21.0]
 
 
-def test_a_rank_other_than_0_writes_nothing_and_ends_with_its_own_line_and_code(
+def test_a_run_that_records_nothing_writes_nothing_and_ends_with_its_own_line_and_code(
     tmp_path, monkeypatch, capsys
 ):
+    # a3c_dist's rank other than 0
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "stop_signal", None)
-    monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
-    with a3c_dist.SilentRun() as run:
-        assert not run.should_stop()
-        raise runs.ProcessLost("lost a rank: Connection reset by peer")
+    args = fake_args(checkpoint_minutes=10)
+    tracker = runs.RewardTracker(args, nn.Linear(2, 1), fake_env())
+    with runs.Run(args, PARAMS, tracker, dict(tracker=tracker), records=False) as run:
+        raise runs.ProcessLost("rank 1 lost a rank: Connection reset by peer")
     assert run.exit_code == 1 and capsys.readouterr() == (
         "",
-        "a3c_dist.py: error: rank 1 lost a rank: Connection reset by peer\n",
+        "test.py: error: rank 1 lost a rank: Connection reset by peer\n",
     )
-    with a3c_dist.SilentRun() as run:
+    with runs.Run(args, PARAMS, tracker, dict(tracker=tracker), records=False) as run:
         runs.request_stop(signal.SIGTERM, None)
-        assert not run.should_stop()  # rank 0 decides, for every rank
     assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
 
 

@@ -604,10 +604,9 @@ def exchange_as_rank(store, rank, *, send):
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2
     )
     grads = torch.tensor([1.0, 2.0]) * (rank + 1)
-    episodes = [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30 if rank else []
-    grads, reports = a3c_dist.exchange(
-        grads, rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0
-    )
+    episodes = [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 40 if rank else []
+    report = (rank + 1, {"loss": 0.25 + rank, "values": -1.0}, 10 * rank, episodes, rank == 0)
+    reports = a3c_dist.exchange(grads, report)
     send((rank, grads.tolist(), reports))
     while True:
         time.sleep(1)
@@ -623,20 +622,18 @@ def test_a3c_dist_exchange_sums_gradients_on_every_rank_and_gives_every_report_i
             got[rank] = grads, reports
             if len(got) == 2:
                 break
-    # every report whole, MAX_EPISODES episodes (one that scored 0 too), and rank 0's word to stop
+    # every report whole, its 42 episodes too, and rank 0's word to stop
     expected = [
         (1, {"loss": 0.25, "values": -1.0}, 0, [], True),
         (
             2,
             {"loss": 1.25, "values": -1.0},
             10,
-            [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 30,
+            [(-3.5, 12), (0.0, 40)] + [(21.0, 900)] * 40,
             False,
         ),
     ]
-    assert a3c_dist.MAX_EPISODES == 32 and got == {
-        rank: ([3.0, 6.0], expected) for rank in range(2)
-    }
+    assert got == {rank: ([3.0, 6.0], expected) for rank in range(2)}
 
 
 def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monkeypatch):
@@ -651,10 +648,10 @@ def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monk
     monkeypatch.setattr(a3c_dist.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
     with pytest.raises(runs.ProcessLost) as error:
-        a3c_dist.exchange(torch.zeros(3), 32, {"loss": 0.5}, 32, [], False)
+        a3c_dist.exchange(torch.zeros(3), (32, {"loss": 0.5}, 32, [], False))
     assert (
         str(error.value)
-        == "lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: "
+        == "rank 1 lost a rank: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: "
         "Connection reset by peer"
     )
 
