@@ -22,6 +22,8 @@ CHECKPOINT = "checkpoint.pt"  # the whole run, in its folder: what --resume goes
 CHECKPOINT_FORMAT = 7  # what a checkpoint holds and how; one of another format does not resume
 # A resumed run's k-th segment seeds its envs and children with seed + k * SEGMENT_SEED.
 SEGMENT_SEED = 10_000
+# Options that each segment of a run takes anew, not from the run's checkpoint.
+SEGMENT_OPTIONS = ("resume", "cuda", "checkpoint_minutes", "new_hyperparams", "segment", "folder")
 LOG_EVERY = 100  # training steps between logged training scalars: reading a GPU tensor waits for it
 stop_signal = None  # SIGINT or SIGTERM, once one has asked the run to stop
 
@@ -87,14 +89,7 @@ def setup(parser, hyperparams):
     if checkpoint:
         # The run's options are the defaults, less those that each segment gives anew.
         run_options = dict(checkpoint["options"])
-        for name in (
-            "resume",
-            "cuda",
-            "checkpoint_minutes",
-            "new_hyperparams",
-            "segment",
-            "folder",
-        ):
+        for name in SEGMENT_OPTIONS:
             del run_options[name]
         parser.set_defaults(**run_options)
         args = parser.parse_args()
