@@ -244,8 +244,8 @@ if __name__ == "__main__":
             # Rank 0 decided to stop a step ago: every rank stops here, at the same step.
             if stops[0]:
                 break
-            counts.frames += sum(frames_list)
-            if master_process:
+            if master_process:  # rank 0 counts the run's frames
+                counts.frames += sum(frames_list)
                 tracker.update(counts.frames, sum(episodes_list, []))
                 run.save_checkpoint_if_due()
                 stop = run.should_stop()

@@ -95,7 +95,7 @@ RULES = [
             "SharedWeights.copy_to",
         },
     ),
-    # This is the gradient's all_reduce and the reports in its rows.
+    # This is the gradient's all_reduce and the reports' all_gather_object.
     ("transport", "a3c_dist.py", {"exchange"}),
 ]
 START_UP = "importlib._bootstrap"  # a sample inside an import is start-up, left out

@@ -221,6 +221,7 @@ class ReplayBuffer:
             filled,
             rows=torch.from_numpy(rows),
             frames=torch.from_numpy(self.frames[: rows.max(initial=0) + 1]),
+            capacity=self.capacity,
             pos=self.pos,
             size=self.size,
             rng=self.rng.bit_generator.state,
@@ -228,6 +229,10 @@ class ReplayBuffer:
 
     def load_state_dict(self, state):
         """Copy a state_dict's arrays into the buffer (from a mapped checkpoint: read as copied)."""
+        if state["capacity"] != self.capacity:  # the ring's order holds at its own size only
+            raise ValueError(
+                f"{state['capacity']} transitions, where the script has {self.capacity}"
+            )
         self.pos, self.size = state["pos"], state["size"]
         self.frames[: len(state["frames"])] = state["frames"].numpy()
         self.index.load(state["rows"].numpy(), state["frames"])

@@ -177,12 +177,15 @@ class DeviceReplayBuffer:
             name: torch.from_numpy(getattr(self, name)[:n].cpu().numpy()) for name in self.COLUMNS
         }
         slots = int(self.index.rows[:n].max(initial=0)) + 1
-        return dict(
-            filled, frames=torch.from_numpy(self.frames[:slots].cpu().numpy()), count=self.count
-        )
+        frames = torch.from_numpy(self.frames[:slots].cpu().numpy())
+        return dict(filled, frames=frames, capacity=self.capacity, count=self.count)
 
     def load_state_dict(self, state):
         """Copy a state_dict's tensors into this buffer's own, which the compiled step reads."""
+        if state["capacity"] != self.capacity:  # the ring's order holds at its own size only
+            raise ValueError(
+                f"{state['capacity']} transitions, where the script has {self.capacity}"
+            )
         self.count = state["count"]
         self.index.load(state["rows"].numpy(), state["frames"])
         self.frames[: len(state["frames"])] = state["frames"].to(self.device)
@@ -284,7 +287,8 @@ def compile_or_exit(parser, fn, mode, probe_args):
 
 def set_capturable(optimizer, device):
     """Adam's settings for CUDA graphs on a GPU, for plain steps on the CPU. Dynamo sets them only
-    on an empty state: a state restored by --resume keeps those of the device it was saved on."""
+    on an empty state: the step counts that --resume restores are on the CPU (the checkpoint's map
+    location), and its settings are the fresh optimizer's."""
     for group in optimizer.param_groups:
         group["capturable"] = device.type == "cuda"
     for state in optimizer.state.values():

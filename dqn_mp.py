@@ -166,7 +166,8 @@ if __name__ == "__main__":
         runs.Run(args, params, tracker, checkpoint_contents) as run,
         processes.ChildProcesses(play_func, children) as messages,
     ):
-        for exps, counts.frames, episodes in messages:
+        for exps, frames, episodes in messages:
+            counts.frames = frames
             for exp in exps:
                 buffer.append(exp)
             tracker.update(counts.frames, episodes)

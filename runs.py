@@ -101,6 +101,8 @@ def setup(parser, hyperparams):
     sys.stdout.reconfigure(line_buffering=True)  # each line reaches a log file as it is printed
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda given, but no CUDA device is available")
+    if args.new_hyperparams and not args.resume:
+        parser.error("--new-hyperparams goes with --resume")
     args.segment = checkpoint["segments"] if checkpoint else 0
     # The k-th segment plays new games.
     args.seed = (args.seed + args.segment * SEGMENT_SEED) % 2**30
@@ -224,7 +226,7 @@ def quiet_event_writer(hook_args):
 
 
 class Counters(types.SimpleNamespace):
-    """A script's counts over the whole run, such as its training steps: in checkpoint_contents(),
+    """A script's counts over the whole run, such as its training steps: in checkpoint_contents,
     they come back on --resume with the rest."""
 
     def state_dict(self):
@@ -330,7 +332,8 @@ class RewardTracker:
 
 class Run:
     """The with-block around a script's loop: due checkpoints, whether to stop, and the stop. A Run
-    that records nothing (under torchrun, a rank other than 0) only ends with its exit code."""
+    that records nothing (under torchrun, a rank other than 0) writes nothing at its stop: its exit
+    code, and its line where it lost a process."""
 
     def __init__(self, args, params, tracker, checkpoint_contents, records=True):
         self.args, self.params, self.tracker = args, params, tracker
@@ -423,7 +426,8 @@ class Run:
     def __exit__(self, exc_type, exc, tb):
         """The stop: the last checkpoint, the summary line and the exit code: 0, 130 or 143 (Ctrl-C,
         SIGTERM), 1 (a process lost) or 2 (a write failed; what was written before stays)."""
-        if exc_type not in (None, ProcessLost) and not issubclass(exc_type, OSError):
+        failed_write = self.records and isinstance(exc, OSError)
+        if exc_type not in (None, ProcessLost) and not failed_write:
             return False  # a bug: its traceback
         # A child that the signal ended is part of that stop.
         self.exit_code = 128 + stop_signal if stop_signal else int(exc_type is ProcessLost)
@@ -457,13 +461,13 @@ def restore(args, checkpoint, contents):
             )
             sys.exit(2)
         state = checkpoint[name]
-        if isinstance(value, torch.optim.Optimizer):
-            # Copies, not the file's tensors, which an optimizer keeps; the script's settings (lr,
-            # eps), not the run's.
-            state = copy.deepcopy(state)
-            for group, settings in zip(state["param_groups"], value.param_groups):
-                group.update({key: settings[key] for key in settings if key != "params"})
         try:
+            if isinstance(value, torch.optim.Optimizer):
+                # Copies, not the file's tensors, which an optimizer keeps; the script's settings
+                # (lr, eps), not the run's.
+                state = copy.deepcopy(state)
+                for group, settings in zip(state["param_groups"], value.param_groups):
+                    group.update({key: settings[key] for key in settings if key != "params"})
             value.load_state_dict(state)
         except (KeyError, ValueError, RuntimeError, TypeError) as failure:
             reason = " ".join(str(failure).split())

@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import copy
+import errno
 import io
 import itertools
 import json
@@ -803,7 +804,7 @@ def test_a_stop_signal_is_taken_at_the_next_check_with_its_exit_code_and_a_check
 def test_a_run_that_records_nothing_writes_nothing_and_ends_with_its_own_line_and_code(
     tmp_path, monkeypatch, capsys
 ):
-    # a3c_dist's rank other than 0
+    # This is a3c_dist's Run on a rank other than 0.
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs, "stop_signal", None)
     args = fake_args(checkpoint_minutes=10)
@@ -817,6 +818,9 @@ def test_a_run_that_records_nothing_writes_nothing_and_ends_with_its_own_line_an
     with runs.Run(args, PARAMS, tracker, dict(tracker=tracker), records=False) as run:
         runs.request_stop(signal.SIGTERM, None)
     assert run.exit_code == 143 and capsys.readouterr() == ("", "") and not os.path.exists("runs")
+    with pytest.raises(OSError):  # a write it never makes: a bug, with its traceback
+        with runs.Run(args, PARAMS, tracker, dict(tracker=tracker), records=False):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "x")
 
 
 @pytest.mark.parametrize("stop", [None, signal.SIGTERM], ids=["end", "sigterm"])

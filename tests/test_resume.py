@@ -624,13 +624,16 @@ def test_new_hyperparams_goes_on_with_the_scripts_values_adams_learning_rate_too
     edited = learners_copy(
         tmp_path, "dqn_baseline", "    learning_rate=1e-3,", "    learning_rate=2e-3,"
     )
+    eps = "    adam_eps=1.5e-4,"
+    edited.write_text(edited.read_text().replace(eps, "    adam_eps=1e-3,"))
     assert (
         run_main(edited, "--resume", str(folder), "--new-hyperparams", "--max-frames", "1100") == 0
     )
     checkpoint = torch.load(folder / runs.CHECKPOINT, weights_only=True)
     assert checkpoint["hyperparams"]["learning_rate"] == 2e-3
     # Adam's state (its moments, after training steps) with the script's learning rate.
-    assert [group["lr"] for group in checkpoint["optimizer"]["param_groups"]] == [2e-3]
+    groups = checkpoint["optimizer"]["param_groups"]
+    assert [(group["lr"], group["eps"]) for group in groups] == [(2e-3, 1e-3)]
     assert checkpoint["optimizer"]["state"] and checkpoint["counts"]["train_steps"] > 0
     (first, first_rows), (second, second_rows) = hyperparameter_tables(folder)
     assert (first, second) == (0, 300)
@@ -638,7 +641,7 @@ def test_new_hyperparams_goes_on_with_the_scripts_values_adams_learning_rate_too
 
 
 def test_a_count_added_to_the_scripts_counters_resumes_with_no_other_line(
-    tmp_path, run_main, stop_handler, monkeypatch
+    tmp_path, run_main, stop_handler, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
     edited = learners_copy(
@@ -658,6 +661,29 @@ def test_a_count_added_to_the_scripts_counters_resumes_with_no_other_line(
     second = torch.load(folder / runs.CHECKPOINT, weights_only=True)["counts"]["loop_steps"]
     # A step of the loop plays a frame, or only resets the env after an episode's end.
     assert 300 <= first < 400 and second - first >= 200 and second >= 500
+    assert our_lines(capsys.readouterr().err) == []
+
+
+def test_new_hyperparams_with_another_replay_size_stops_with_one_line(
+    stopped_run, tmp_path, run_main, capsys
+):
+    edited = learners_copy(
+        tmp_path, "dqn_baseline", "    replay_size=10_000,", "    replay_size=20_000,"
+    )
+    before = listing(stopped_run)
+    assert run_main(edited, "--resume", str(stopped_run), "--new-hyperparams") == 2
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line == (
+        "dqn_baseline.py: error: --resume: the checkpoint's buffer does not fit this script's "
+        "(10000 transitions, where the script has 20000)"
+    )
+    assert listing(stopped_run) == before
+
+
+def test_new_hyperparams_without_resume_stops_with_one_line(in_process, capsys):
+    assert in_process("dqn_baseline", "--new-hyperparams") == 2
+    (line,) = our_lines(capsys.readouterr().err)
+    assert line == "dqn_baseline.py: error: --new-hyperparams goes with --resume"
 
 
 @pytest.mark.parametrize("damage", ["no counts", "counts of other names", "a net of another shape"])

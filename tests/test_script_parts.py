@@ -636,15 +636,19 @@ def test_a3c_dist_exchange_sums_gradients_on_every_rank_and_gives_every_report_i
     assert got == {rank: ([3.0, 6.0], expected) for rank in range(2)}
 
 
-def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(monkeypatch):
-    def lost(tensor):  # what gloo raises when a peer's connection resets
-        raise RuntimeError(
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather_object"])
+def test_a3c_dist_a_lost_rank_is_named_in_one_line_without_gloos_cpp_frames(
+    collective, monkeypatch
+):
+    def lost(*args):  # what gloo raises when a peer's connection resets
+        raise torch.distributed.DistBackendError(
             "[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:6028: "
             "Connection reset by peer\n"
             "Exception raised from recvBytes (most recent call first):\nframe #0: c10::Error::Error"
         )
 
-    monkeypatch.setattr(a3c_dist.dist, "all_reduce", lost)
+    monkeypatch.setattr(a3c_dist.dist, "all_reduce", lambda tensor: None)
+    monkeypatch.setattr(a3c_dist.dist, collective, lost)
     monkeypatch.setattr(a3c_dist.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(a3c_dist.dist, "get_rank", lambda: 1)
     with pytest.raises(runs.ProcessLost) as error:

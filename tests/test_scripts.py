@@ -1697,5 +1697,5 @@ def test_a3c_dist_a_ranks_40_episodes_of_one_report_all_arrive_at_its_step(tmp_p
     acc = EventAccumulator(str(tmp_path / "runs" / run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     frames = [event.step for event in acc.Scalars("episodes/reward") if event.value == 0.5]
-    # all 40, logged at the frames of the step that brought them
+    # All 40 are logged at the frames of the step that brought them.
     assert len(frames) == 40 and len(set(frames)) == 1
